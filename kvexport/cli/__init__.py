@@ -1,0 +1,69 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The ``kvexport`` command line. Each subcommand lives in its own module and registers on :data:`app`."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+app = typer.Typer(
+    name="kvexport",
+    help="Turn a Hugging Face causal LM into a model with a small, fixed-size KV cache, exported for "
+    "NVIDIA GPUs and Jetson (static-budget eviction, MLA latent caches, ONNX + TensorRT plugins).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks instead of one-line errors."),
+) -> None:
+    """kvexport: static-budget and latent KV caches, exported."""
+
+
+# subcommand modules register themselves on import
+from kvexport.cli import generate_cmd  # noqa: E402,F401
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: runs the app and turns kvexport errors into one line and an exit code."""
+    import click
+
+    from kvexport.errors import InternalError, KVExportError
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    try:
+        app(args=args, prog_name="kvexport", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        return int(e.exit_code or 0)
+    except click.exceptions.Abort:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except click.ClickException as e:
+        e.show()
+        return 2
+    except KVExportError as e:
+        if debug or isinstance(e, InternalError):
+            import traceback
+
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - last resort: one line, traceback with --debug
+        if debug:
+            raise
+        print(f"error: internal error: {e.__class__.__name__}: {e} (rerun with --debug for the traceback)",
+              file=sys.stderr)
+        return InternalError.exit_code
+    return 0
+
+
+def run() -> None:
+    sys.exit(main())

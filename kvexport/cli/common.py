@@ -1,0 +1,68 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared CLI pieces: model argument resolution, press options, prompt encoding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvexport.errors import BadUsage
+from kvexport.paths import DEFAULT_MODEL
+
+PRESS_HELP = (
+    "Eviction press: streaming_llm, knorm, keydiff, tova, snapkv, pyramidkv, expected_attention, "
+    "observed_attention, random; 'none' keeps every token."
+)
+
+
+def resolve_model(model: str | None) -> str:
+    """None -> the bundled reference student."""
+    if model is None:
+        if not DEFAULT_MODEL.exists():
+            raise BadUsage(f"no MODEL given and the bundled model {DEFAULT_MODEL} is missing")
+        return str(DEFAULT_MODEL)
+    return model
+
+
+def build_press(press: str | None, budget: int | None, ratio: float | None):
+    """CLI press options -> a press object, or None for 'none'."""
+    from kvexport.presses import make_press
+
+    if press in (None, "none"):
+        if budget is not None or ratio is not None:
+            raise BadUsage("--budget/--ratio need a --press (accepted: a press name, not 'none')")
+        return None
+    if budget is None and ratio is None:
+        raise BadUsage(f"--press {press} needs --budget N (tokens kept) or --ratio R in [0, 1)")
+    return make_press(press, compression_ratio=ratio, budget=budget)
+
+
+def encode_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts -> left-padded input_ids, attention_mask (B, N)."""
+    if not prompts:
+        raise BadUsage("no --prompt given")
+    if tokenizer is None:
+        raise BadUsage("this model directory has no tokenizer; kvexport needs tokenizer.json beside the weights")
+    seqs = []
+    for p in prompts:
+        if not p.strip():
+            raise BadUsage("the prompt is empty; give some text")
+        ids = tokenizer(p, add_special_tokens=True)["input_ids"]
+        if not ids:
+            raise BadUsage(f"the prompt {p[:30]!r} encodes to no tokens")
+        seqs.append(ids)
+    n = max(len(s) for s in seqs)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    input_ids = torch.tensor([[pad] * (n - len(s)) + s for s in seqs])
+    mask = torch.tensor([[0] * (n - len(s)) + [1] * len(s) for s in seqs])
+    return input_ids, mask
+
+
+def read_prompt_file(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise BadUsage(f"prompt file {path} does not exist") from None
+    except UnicodeDecodeError:
+        raise BadUsage(f"prompt file {path} is not UTF-8 text") from None

@@ -1,0 +1,128 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Grouped-query attention over an explicit cache, written for export (no data-dependent control flow).
+
+Causality and padding come from positions, not from a triangular mask: query t may see key j iff
+``0 <= pos_k[j] <= pos_q[t]``. That one rule covers the prompt, a chunk after a compacted cache,
+a decode step, and left padding (position -1).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvexport.models.rope import Rotary
+from kvexport.models.spec import ModelSpec
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as Llama computes it: in fp32, weight applied in the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """q_pos (B, T), k_pos (B, Hc, S) -> bool (B, Hc, 1, T, S): key visible to query."""
+    kp = k_pos[:, :, None, None, :]  # (B, Hc, 1, 1, S)
+    qp = q_pos[:, None, None, :, None]  # (B, 1, 1, T, 1)
+    return (kp >= 0) & (kp <= qp)
+
+
+def grouped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scaling: float,
+    return_probs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Softmax attention of grouped queries over per-KV-head keys, masked by positions.
+
+    q (B, Hq, T, Dk), k (B, Hc, S, Dk), v (B, Hc, S, Dv), q_pos (B, T), k_pos (B, Hc, S) with
+    Hq = Hc * G. Returns out (B, Hq, T, Dv) and, if asked, probs (B, Hq, T, S).
+    A query that sees no key (a padding query) gets a uniform average: harmless, never read.
+    """
+    B, Hq, T, Dk = q.shape
+    Hc, S = k.shape[1], k.shape[2]
+    G = Hq // Hc
+    qg = q.reshape(B, Hc, G * T, Dk)
+    logits = torch.matmul(qg, k.transpose(-1, -2)).reshape(B, Hc, G, T, S) * scaling
+    logits = logits.float()
+    mask = visibility_mask(q_pos, k_pos)
+    logits = logits.masked_fill(~mask, torch.finfo(torch.float32).min)
+    probs = torch.softmax(logits, dim=-1).to(v.dtype)  # (B, Hc, G, T, S)
+    out = torch.matmul(probs.reshape(B, Hc, G * T, S), v).reshape(B, Hq, T, v.shape[-1])
+    return out, (probs.reshape(B, Hq, T, S) if return_probs else None)
+
+
+class GQAAttention(nn.Module):
+    """The attention of Llama / Qwen2 (q/k/v bias) / Qwen3 (q_norm, k_norm) / Mistral.
+
+    forward(h (B, T, H), positions (B, T), past k/v/pos) -> out (B, T, H) and this step's
+    k_new, v_new (B, Hkv, T, D), keys post-RoPE, and q_pre (B, Hq, T, D), queries before RoPE
+    (after q_norm), which the presses score with.
+    """
+
+    def __init__(self, spec: ModelSpec, rotary: Rotary):
+        super().__init__()
+        self.spec = spec
+        H, D = spec.hidden_size, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, D
+        self.q_proj = nn.Linear(H, spec.num_heads * D, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(H, spec.num_kv_heads * D, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(H, spec.num_kv_heads * D, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.num_heads * D, H, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(D, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(D, spec.rms_norm_eps)
+        self.rotary = rotary
+        self.scaling = D**-0.5
+
+    # The cache stores what these return; an MLA attention returns a latent instead (same contract).
+    cache_heads = property(lambda self: self.num_kv_heads)
+    key_dim = property(lambda self: self.head_dim)
+    value_dim = property(lambda self: self.head_dim)
+
+    def project(self, h: torch.Tensor, positions: torch.Tensor):
+        """h (B, T, H) -> q_pre (B, Hq, T, D), k (B, Hkv, T, D) post-RoPE, v (B, Hkv, T, D)."""
+        B, T, _ = h.shape
+        q = self.q_proj(h).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.spec.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, self.rotary.apply(k, positions), v
+
+    def score_queries(self, q_pre: torch.Tensor) -> torch.Tensor:
+        """Queries in the space the cached keys live in (identity here; MLA absorbs W_UK)."""
+        return q_pre
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        past_k: torch.Tensor,
+        past_v: torch.Tensor,
+        past_pos: torch.Tensor,
+    ):
+        """Attend over [past slots ; this step's tokens]. past_* may have S = 0 slots."""
+        B, T, _ = h.shape
+        q_pre, k_new, v_new = self.project(h, positions)
+        q = self.rotary.apply(q_pre, positions)
+        new_pos = positions[:, None, :].expand(B, self.num_kv_heads, T)
+        k_all = torch.cat([past_k, k_new], dim=2)
+        v_all = torch.cat([past_v, v_new], dim=2)
+        pos_all = torch.cat([past_pos, new_pos], dim=2)
+        out, _ = grouped_attention(q, k_all, v_all, positions, pos_all, self.scaling)
+        out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+        return self.o_proj(out), k_new, v_new, q_pre

@@ -1,0 +1,101 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Load a HF causal LM (transformers 5.x) from a local directory or take one in memory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvexport.errors import BadModel
+from kvexport.models.spec import SUPPORTED_FAMILIES, ModelSpec, supported_families_text
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+          "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def check_model_dir(path: str | Path) -> dict[str, Any]:
+    """Fail early, with one line, on what would make ``from_pretrained`` fail later. Returns config.json."""
+    p = Path(path)
+    if not p.exists():
+        raise BadModel(f"model directory {str(p)!r} does not exist")
+    if not p.is_dir():
+        raise BadModel(f"model path {str(p)!r} is not a directory (expected config.json + *.safetensors)")
+    cfg_path = p / "config.json"
+    if not cfg_path.is_file():
+        raise BadModel(f"{str(p)!r} has no config.json")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadModel(f"{cfg_path} is not valid JSON ({e.__class__.__name__})") from None
+    if not isinstance(cfg, dict):
+        raise BadModel(f"{cfg_path} is not a JSON object")
+    mt = cfg.get("model_type")
+    if mt not in SUPPORTED_FAMILIES:
+        raise BadModel(f"unsupported model family {mt!r} in {cfg_path}; supported: {supported_families_text()}")
+    if not any(p.glob("*.safetensors")):
+        raise BadModel(f"{str(p)!r} has no *.safetensors weights")
+    for f in p.glob("*.safetensors"):
+        _check_safetensors(f)
+    return cfg
+
+
+def _check_safetensors(f: Path) -> None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(f), framework="pt") as sf:
+            keys = list(sf.keys())
+            if keys:
+                sf.get_slice(keys[-1])
+        size = f.stat().st_size
+        # header says where the last tensor ends; a truncated file ends before it
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if size < 8 + n + end:
+            raise ValueError("truncated")
+    except Exception as e:  # noqa: BLE001 - any failure here means a damaged file
+        raise BadModel(f"weights file {f} is damaged or not safetensors ({e.__class__.__name__}: {e})"[:300]) from None
+
+
+def load_hf_model(model: str | Path | torch.nn.Module, dtype: str | torch.dtype = "fp32"):
+    """-> a transformers ``*ForCausalLM`` in eval mode. ``model`` is a directory or a loaded model."""
+    if isinstance(model, torch.nn.Module):
+        ModelSpec.from_hf_config(model.config)
+        return model.eval()
+    from transformers import AutoModelForCausalLM
+
+    check_model_dir(model)
+    td = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=td, attn_implementation="eager")
+    except Exception as e:  # noqa: BLE001
+        raise BadModel(f"transformers could not load {model}: {str(e).splitlines()[0][:200]}") from None
+    return hf.eval()
+
+
+def load_tokenizer(path: str | Path | None):
+    """The tokenizer saved beside a model, or None when the directory has none."""
+    if path is None:
+        return None
+    p = Path(path)
+    if not (p / "tokenizer.json").exists() and not (p / "tokenizer_config.json").exists():
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(p))
+    except Exception as e:  # noqa: BLE001
+        raise BadModel(f"tokenizer in {p} cannot be loaded: {str(e).splitlines()[0][:200]}") from None
+
+
+def load_decoder(model: str | Path | torch.nn.Module, dtype: str | torch.dtype = "fp32"):
+    """HF model -> (kvexport Decoder, HF model)."""
+    from kvexport.models.decoder import Decoder
+
+    hf = load_hf_model(model, dtype)
+    return Decoder.from_hf(hf), hf

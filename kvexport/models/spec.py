@@ -1,0 +1,108 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What kvexport needs to know about a decoder-only HF model, read from its config."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvexport.errors import BadModel
+
+#: HF ``model_type`` -> family name. Everything else is refused with :class:`BadModel`.
+SUPPORTED_FAMILIES: dict[str, str] = {
+    "llama": "Llama",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "mistral": "Mistral",
+}
+
+
+def supported_families_text() -> str:
+    return ", ".join(f"{v} ({k})" for k, v in SUPPORTED_FAMILIES.items())
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape and family switches of a supported causal LM.
+
+    ``qkv_bias``: Qwen2 (and Llama with ``attention_bias``); ``qk_norm``: Qwen3's per-head RMSNorm
+    on queries and keys before RoPE; ``o_bias``: Llama's ``attention_bias`` also biases o_proj.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    rope: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_FAMILIES[self.model_type]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> "ModelSpec":
+        """Read a transformers ``PretrainedConfig``; raises :class:`BadModel` for unsupported ones."""
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_FAMILIES:
+            raise BadModel(
+                f"unsupported model family {model_type!r}; supported: {supported_families_text()}"
+            )
+        missing = [
+            k
+            for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+            if getattr(config, k, None) is None
+        ]
+        if missing:
+            raise BadModel(f"model config lacks required field(s) {', '.join(missing)}")
+        n_heads = int(config.num_attention_heads)
+        n_kv = int(getattr(config, "num_key_value_heads", None) or n_heads)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+        if n_heads % n_kv:
+            raise BadModel(f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}")
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        if not rope:
+            theta = getattr(config, "rope_theta", None)
+            if theta is None:
+                raise BadModel("model config has no RoPE parameters; kvexport needs a RoPE model")
+            rope = {"rope_type": "default", "rope_theta": float(theta)}
+        if rope.get("rope_type", "default") not in ("default", "linear", "llama3", "dynamic", "yarn", "longrope"):
+            raise BadModel(f"unsupported rope_type {rope.get('rope_type')!r}")
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=int(config.vocab_size),
+            hidden_size=int(config.hidden_size),
+            intermediate_size=int(config.intermediate_size),
+            num_layers=int(config.num_hidden_layers),
+            num_heads=n_heads,
+            num_kv_heads=n_kv,
+            head_dim=int(head_dim),
+            rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(getattr(config, "max_position_embeddings", 2048) or 2048),
+            qkv_bias=(model_type == "qwen2") or attention_bias,
+            o_bias=attention_bias and model_type != "qwen2",
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=(model_type == "qwen3"),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            hidden_act=str(getattr(config, "hidden_act", "silu")),
+            rope=rope,
+        )

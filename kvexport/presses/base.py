@@ -1,0 +1,92 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The press family: a press scores every candidate token per cache head; the cache keeps the top ones.
+
+A new press subclasses :class:`ScorerPress` and writes :meth:`ScorerPress.score` only; the cache does
+top-k, gather and position ordering (``kvexport.cache.static_cache``). Semantics follow NVIDIA
+kvpress (``ScorerPress`` family) so that, at a single-shot prefill, the kept index sets are equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvexport.errors import BadUsage
+
+
+@dataclass
+class ScoreInputs:
+    """Everything a press may score with. The observation queries are the *last* Q candidates' queries.
+
+    keys (B, Hc, S, Dk): candidate keys, post-RoPE (MLA: the latent ``[c_kv; k_pe]``, Hc = 1)
+    values (B, Hc, S, Dv): candidate values (MLA: may be empty, Dv = 0)
+    positions (B, Hc, S): true positions, -1 = empty / padding
+    queries (B, Hq, Q, Dk): observation queries *before* RoPE, in the keys' space (MLA: absorbed)
+    query_positions (B, Q): their positions, -1 = padding
+    rotary: ``apply(x, pos)`` rotates queries like the keys; ``matrix(pos)`` gives R (P, Dk, Dk)
+    scaling: softmax scale of the attention logits
+    n_keep: how many candidates the cache will keep per (batch, head) in this layer
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    queries: torch.Tensor
+    query_positions: torch.Tensor
+    rotary: object
+    scaling: float
+    layer_idx: int
+    num_layers: int
+    n_keep: int
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """(B, Hc, S) bool: candidate is a real token."""
+        return self.positions >= 0
+
+
+@dataclass
+class ScorerPress:
+    """Base press. Give either ``compression_ratio`` in [0, 1) or an absolute ``budget`` (>= 1).
+
+    ``budget`` wins when both are set. With a ratio, a prompt of n tokens keeps
+    ``int(n * (1 - ratio))`` (kvpress's rule).
+    """
+
+    compression_ratio: float | None = None
+    budget: int | None = None
+
+    name: ClassVar[str] = "base"
+    #: tokens the press always keeps (sinks, observation window): a budget must exceed it
+    needs_attention: ClassVar[bool] = False
+
+    def __post_init__(self):
+        if self.compression_ratio is not None and not (0.0 <= float(self.compression_ratio) < 1.0):
+            raise BadUsage(f"compression ratio {self.compression_ratio} is outside [0, 1)")
+        if self.budget is not None and int(self.budget) < 1:
+            raise BadUsage(f"budget {self.budget} must be >= 1 token")
+        if self.budget is not None and self.budget <= self.always_kept():
+            raise BadUsage(
+                f"budget {self.budget} must exceed the {self.always_kept()} tokens {self.name} always keeps"
+            )
+
+    def always_kept(self) -> int:
+        """Tokens kept whatever their score (sinks, observation window)."""
+        return 0
+
+    def resolve_budget(self, n_tokens: int) -> int:
+        """Tokens kept from a prompt of n tokens."""
+        if self.budget is not None:
+            return int(self.budget)
+        ratio = float(self.compression_ratio or 0.0)
+        return max(1, int(n_tokens * (1 - ratio)))
+
+    def layer_budgets(self, num_layers: int, n_tokens: int) -> list[int]:
+        """Per-layer budgets for a prompt of n tokens (uniform unless the press says otherwise)."""
+        return [self.resolve_budget(n_tokens)] * num_layers
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        """-> (B, Hc, S) scores; higher = keep. Invalid candidates are masked by the cache."""
+        raise NotImplementedError

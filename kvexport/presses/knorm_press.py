@@ -1,0 +1,20 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Knorm: keep keys of small L2 norm (Devoto et al., 2024, "A Simple and Effective L2 Norm-Based
+Strategy for KV Cache Compression"). Score = -||k_j||_2 of the post-RoPE key, per cache head."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvexport.presses.base import ScoreInputs, ScorerPress
+
+
+@dataclass
+class KnormPress(ScorerPress):
+    name: ClassVar[str] = "knorm"
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        return -inputs.keys.float().norm(dim=-1)

@@ -1,0 +1,34 @@
+# SPDX-License-Identifier: Apache-2.0
+"""StreamingLLM (Xiao et al., 2023, "Efficient Streaming Language Models with Attention Sinks"):
+keep the first ``n_sink`` tokens and the most recent ones.
+
+Score = position for ordinary tokens, plus a large bonus for the ``n_sink`` earliest valid
+candidates, so top-k keeps sinks + the newest ``n_keep - n_sink``; identical to kvpress at prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvexport.presses.base import ScoreInputs, ScorerPress
+
+
+@dataclass
+class StreamingLLMPress(ScorerPress):
+    n_sink: int = 4
+    name: ClassVar[str] = "streaming_llm"
+
+    def always_kept(self) -> int:
+        return self.n_sink
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        pos = inputs.positions.float()  # (B, Hc, S)
+        valid = inputs.valid
+        # rank of each valid candidate among the valid ones, in slot order (left padding comes first)
+        rank = valid.long().cumsum(-1) - 1
+        sink = valid & (rank < self.n_sink)
+        big = pos.max() + 1.0 if pos.numel() else pos.new_tensor(1.0)
+        return torch.where(sink, big + (self.n_sink - rank).float(), pos)
