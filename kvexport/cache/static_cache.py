@@ -31,11 +31,12 @@ from kvexport.errors import BadUsage
 def select_kept(scores: torch.Tensor, positions: torch.Tensor, n_keep: int) -> torch.Tensor:
     """scores, positions (B, Hc, S) -> slot indices (B, Hc, n_keep) of the best, ascending.
 
-    Invalid candidates (position < 0) score -inf; ascending slot order = position order.
+    Invalid candidates (position < 0) score -inf; ties go to the lower slot (ONNX TopK's rule, so the
+    exported graphs choose the same set); ascending slot order = position order.
     """
     scores = scores.float().masked_fill(positions < 0, float("-inf"))
-    idx = scores.topk(n_keep, dim=-1).indices
-    return idx.sort(dim=-1).values
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    return order[..., :n_keep].sort(dim=-1).values
 
 
 def gather_slots(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
