@@ -94,8 +94,13 @@ def load_tokenizer(path: str | Path | None):
 
 
 def load_decoder(model: str | Path | torch.nn.Module, dtype: str | torch.dtype = "fp32"):
-    """HF model -> (kvexport Decoder, HF model)."""
+    """HF model -> (kvexport Decoder, HF model). A kvexport MLA directory -> (MLA Decoder, None)."""
     from kvexport.models.decoder import Decoder
 
+    if not isinstance(model, torch.nn.Module):
+        from kvexport.mla.io import is_mla_dir, load_mla
+
+        if is_mla_dir(model):
+            return load_mla(model, dtype), None
     hf = load_hf_model(model, dtype)
     return Decoder.from_hf(hf), hf

@@ -5,13 +5,32 @@ from __future__ import annotations
 
 from kvexport.errors import BadUsage
 from kvexport.presses.base import ScoreInputs, ScorerPress
+from kvexport.presses.expected_attention_press import ExpectedAttentionPress
+from kvexport.presses.keydiff_press import KeyDiffPress
 from kvexport.presses.knorm_press import KnormPress
+from kvexport.presses.observed_attention_press import ObservedAttentionPress
+from kvexport.presses.optimal_press import OptimalPress
+from kvexport.presses.pyramidkv_press import PyramidKVPress
+from kvexport.presses.random_press import RandomPress
+from kvexport.presses.snapkv_press import SnapKVPress
 from kvexport.presses.streaming_llm_press import StreamingLLMPress
+from kvexport.presses.tova_press import TOVAPress
 
 #: CLI name -> press class
 PRESSES: dict[str, type[ScorerPress]] = {
-    "streaming_llm": StreamingLLMPress,
-    "knorm": KnormPress,
+    cls.name: cls
+    for cls in (
+        StreamingLLMPress,
+        KnormPress,
+        KeyDiffPress,
+        TOVAPress,
+        SnapKVPress,
+        PyramidKVPress,
+        ExpectedAttentionPress,
+        ObservedAttentionPress,
+        RandomPress,
+        OptimalPress,
+    )
 }
 
 
@@ -23,4 +42,19 @@ def make_press(name: str, compression_ratio: float | None = None, budget: int | 
     return cls(compression_ratio=compression_ratio, budget=budget, **kw)
 
 
-__all__ = ["PRESSES", "make_press", "ScoreInputs", "ScorerPress", "KnormPress", "StreamingLLMPress"]
+__all__ = [
+    "PRESSES",
+    "make_press",
+    "ScoreInputs",
+    "ScorerPress",
+    "StreamingLLMPress",
+    "KnormPress",
+    "KeyDiffPress",
+    "TOVAPress",
+    "SnapKVPress",
+    "PyramidKVPress",
+    "ExpectedAttentionPress",
+    "ObservedAttentionPress",
+    "RandomPress",
+    "OptimalPress",
+]

@@ -1,0 +1,123 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``kvexport convert``, ``kvexport profile``, ``kvexport report``: the one-command conversion and its proof."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from kvexport.cli import app
+
+
+@app.command("convert")
+def convert_cmd(
+    model: Optional[str] = typer.Argument(None, help="HF model directory (Llama, Qwen2, Qwen3, Mistral). "
+                                          "Default: the bundled reference student."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory (written atomically)."),
+    mla_rank: Optional[int] = typer.Option(None, "--mla-rank", help="MLA latent rank r_kv (X-EcoMLA rewrite)."),
+    mla_energy: Optional[float] = typer.Option(None, "--mla-energy",
+                                               help="Instead of --mla-rank: per-layer rank by SVD energy δ in (0, 1]."),
+    rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help="MLA decoupled RoPE key width d_rope (even)."),
+    press: Optional[str] = typer.Option(None, "--press", help="Eviction press (snapkv, knorm, tova, ...; 'none' "
+                                        "keeps every token)."),
+    budget: Optional[int] = typer.Option(None, "--budget", help="Tokens kept per layer after each compaction."),
+    window: Optional[int] = typer.Option(None, "--window", help="Decode slots between compactions."),
+    chunk: Optional[int] = typer.Option(None, "--chunk", help="Prefill chunk length of the exported graph."),
+    distill_teacher: Optional[str] = typer.Option(None, "--distill-teacher", help="Teacher model for distillation."),
+    distill_data: Optional[Path] = typer.Option(None, "--distill-data", help="UTF-8 text to distill on."),
+    distill_tokens: Optional[int] = typer.Option(None, "--distill-tokens", help="Tokens to distill on."),
+    target: Optional[str] = typer.Option(None, "--target", help="onnx (default) or tensorrt (adds engines)."),
+    fp16: Optional[bool] = typer.Option(None, "--fp16/--fp32", help="Export in fp16 (default fp32)."),
+    validate: Optional[bool] = typer.Option(None, "--validate/--no-validate", help="Check parity (default on)."),
+    profile: Optional[bool] = typer.Option(None, "--profile/--no-profile", help="Profile latency/memory (default on)."),
+    baseline: Optional[bool] = typer.Option(None, "--baseline/--no-baseline",
+                                            help="Also export the uncompressed baseline to compare with (default on)."),
+    contexts: Optional[str] = typer.Option(None, "--contexts", help="Profile context lengths, e.g. 512,2048,8192."),
+    decode_steps: Optional[int] = typer.Option(None, "--decode-steps", help="Timed decode steps per context."),
+    allow_partial: bool = typer.Option(False, "--allow-partial",
+                                                 help="--target tensorrt without TensorRT: keep the ONNX result."),
+    config: Optional[Path] = typer.Option(None, "--config", help="YAML/JSON file of settings (e.g. a saved "
+                                          "DIR/convert.json); flags given here override it."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty --out."),
+) -> None:
+    """Convert a model in one go: load -> rewrite -> (distill) -> export -> (engine) -> validate -> profile -> report.
+
+    With no compression flags it applies the showcase settings (SnapKV, budget 256, window 32, MLA at about
+    5x). Any compression flag selects exactly what is given. DIR/convert.json reproduces the run with --config.
+    """
+    from rich.console import Console
+
+    from kvexport.convert.config import ConvertConfig
+    from kvexport.convert.stages import run_convert
+    from kvexport.errors import BadUsage
+
+    if out is None:
+        raise BadUsage("--out DIR is required (where the conversion is written)")
+    base = ConvertConfig.from_file(config) if config is not None else ConvertConfig()
+    flags = dict(model=model, mla_rank=mla_rank, mla_energy=mla_energy, rope_dim=rope_dim, press=press,
+                 budget=budget, window=window, chunk=chunk, distill_teacher=distill_teacher,
+                 distill_data=str(distill_data) if distill_data is not None else None,
+                 distill_tokens=distill_tokens, target=target, fp16=fp16, validate=validate, profile=profile,
+                 baseline=baseline, contexts=contexts, decode_steps=decode_steps, allow_partial=True if allow_partial else None)
+    cfg = base.merged(flags)
+    console = Console(stderr=True)
+    cj = run_convert(cfg, out, force=force, console=console)
+    total = sum(s["seconds"] for s in cj["stages"])
+    console.print(f"[bold]wrote {out}[/] in {total:.1f}s: convert.json"
+                  + (", parity.json" if (out / "parity.json").exists() else "")
+                  + (", profile.json" if (out / "profile.json").exists() else "") + ", report.html", highlight=False)
+
+
+@app.command("profile")
+def profile_cmd(
+    directory: Path = typer.Argument(..., help="A directory made by kvexport convert (or kvexport export)."),
+    backend: str = typer.Option("onnxruntime", "--backend", help="onnxruntime, tensorrt or pytorch."),
+    contexts: Optional[str] = typer.Option(None, "--contexts", help="Context lengths, e.g. 512,2048,8192 "
+                                           "(default: the conversion's)."),
+    decode_steps: int = typer.Option(16, "--decode-steps", help="Timed decode steps per context."),
+    baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="Profile the full-cache baseline too."),
+    report: bool = typer.Option(True, "--report/--no-report", help="Regenerate the report afterwards."),
+) -> None:
+    """Prefill/decode latency, tokens/s, KV bytes and memory per context length -> DIR/profile.json."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvexport.convert.config import parse_contexts
+    from kvexport.profile.run import profile_dir
+
+    console = Console(stderr=True)
+    ctx = parse_contexts(contexts, "--contexts") if contexts else None
+    with console.status(f"profiling {directory} on {backend} ..."):
+        prof = profile_dir(directory, backend=backend, contexts=ctx, decode_steps=decode_steps, baseline=baseline)
+    t = Table(title=f"{directory} ({backend})")
+    for h in ("variant", "context", "TTFT s", "decode p50 ms", "p90 ms", "tok/s", "KV MiB", "peak RSS MiB"):
+        t.add_column(h, justify="right")
+    for name, v in prof["variants"].items():
+        for r in v["contexts"]:
+            t.add_row(name, str(r["context"]), f"{r['ttft_s']:.3f}", f"{r['decode_ms_p50']:.2f}",
+                      f"{r['decode_ms_p90']:.2f}", f"{r['tokens_per_s']:.1f}",
+                      f"{r.get('kv_bytes', 0) / 2**20:.2f}", f"{r['peak_rss_bytes'] / 2**20:.0f}")
+    Console().print(t)
+    for s in prof.get("skipped_contexts") or []:
+        console.print(f"[yellow]skipped context {s['context']}: {s['reason']}[/]", highlight=False)
+    if report:
+        from kvexport.report import write_report
+
+        write_report(directory)
+    console.print(f"wrote {Path(directory) / 'profile.json'}" + (" and the report" if report else ""))
+
+
+@app.command("report")
+def report_cmd(
+    directory: Path = typer.Argument(..., help="A directory made by kvexport convert."),
+) -> None:
+    """Regenerate DIR/report.html (self-contained), report.md, report.json and plots/ from DIR's JSON files."""
+    from rich.console import Console
+
+    from kvexport.report import write_report
+
+    rep = write_report(directory)
+    Console(stderr=True).print(f"wrote {directory}/report.html ({rep['verdict']}; {len(rep.get('plots') or {})} plots)",
+                               highlight=False)

@@ -1,0 +1,230 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``kvexport rewrite`` (GQA -> MLA), ``kvexport inspect`` (cache accounting), ``kvexport distill`` (KL recovery)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from kvexport.cli import app
+
+RANK_HELP = "MLA latent rank r_kv (every layer)."
+ENERGY_HELP = "Instead of --mla-rank: per-layer rank = smallest with cumulative σ² >= δ (0 < δ <= 1), rounded up to 8."
+ROPE_HELP = "Decoupled RoPE key width d_rope (even, <= head_dim)."
+
+
+def _settings(mla_rank, mla_energy, rope_dim, rope_init="xeco", q_rank=None, naive=False):
+    from kvexport.mla.config import MLASettings
+
+    return MLASettings(kv_rank=mla_rank, energy=mla_energy, rope_dim=rope_dim, rope_init=rope_init, q_rank=q_rank,
+                       absorb=not naive)
+
+
+def _calibration(path: Optional[Path], tokenizer, vocab: int):
+    if path is None:
+        return None
+    from kvexport.mla.distill import read_tokens
+
+    ids = read_tokens(path, tokenizer, vocab)[:2048]
+    n = max(1, ids.numel() // 256)
+    return ids[: n * 256].view(n, -1) if ids.numel() >= 256 else ids[None]
+
+
+def _spec_of(model: str):
+    """(ModelSpec, MLA config dict or None, dtype name) from a directory, without loading weights."""
+    from kvexport.errors import BadModel
+    from kvexport.mla.io import is_mla_dir, read_mla_config
+    from kvexport.models.spec import ModelSpec
+
+    p = Path(model)
+    if is_mla_dir(p):
+        cfg = read_mla_config(p)
+        return ModelSpec(**cfg["spec"]), cfg, cfg.get("dtype", "float32")
+    if not p.is_dir():
+        raise BadModel(f"model directory {model!r} does not exist")
+    if not (p / "config.json").is_file():
+        raise BadModel(f"{model!r} has no config.json (nor {'kvexport_mla.json'})")
+    try:
+        hf_cfg = json.loads((p / "config.json").read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadModel(f"{p / 'config.json'} is not valid JSON ({e.__class__.__name__})") from None
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.for_model(**hf_cfg) if "model_type" in hf_cfg else None
+    except Exception as e:  # noqa: BLE001
+        raise BadModel(f"transformers cannot read {p / 'config.json'}: {str(e).splitlines()[0][:200]}") from None
+    if config is None:
+        raise BadModel(f"{p / 'config.json'} has no model_type")
+    dtype = str(hf_cfg.get("dtype") or hf_cfg.get("torch_dtype") or "float32")
+    return ModelSpec.from_hf_config(config), None, dtype
+
+
+@app.command("rewrite")
+def rewrite_cmd(
+    model: str = typer.Argument(..., help="HF model directory (Llama, Qwen2, Qwen3, Mistral)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory to write the MLA model to (must not exist or be empty)."),
+    mla_rank: Optional[int] = typer.Option(None, "--mla-rank", help=RANK_HELP),
+    mla_energy: Optional[float] = typer.Option(None, "--mla-energy", help=ENERGY_HELP),
+    rope_dim: int = typer.Option(32, "--rope-dim", help=ROPE_HELP),
+    rope_init: str = typer.Option("xeco", "--rope-init", help="xeco (evenly spaced pairs) or norm (2-norm on --calib)."),
+    q_rank: Optional[int] = typer.Option(None, "--q-rank", help="Low-rank query r_q (default: full W_Q)."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text (rope-init norm, Qwen3 k_norm)."),
+    naive: bool = typer.Option(False, "--naive", help="Use the decompressed attention path (default: absorbed)."),
+    dtype: str = typer.Option("fp32", help="fp32, fp16 or bf16."),
+) -> None:
+    """Rewrite a GQA/MHA model into MLA (X-EcoMLA SVD init) and save it as a kvexport MLA directory."""
+    from rich.console import Console
+
+    from kvexport.errors import BadUsage
+    from kvexport.mla.accounting import cache_report
+    from kvexport.mla.io import save_mla
+    from kvexport.mla.rewrite import rewrite_to_mla
+    from kvexport.models.loading import load_decoder, load_tokenizer
+
+    settings = _settings(mla_rank, mla_energy, rope_dim, rope_init, q_rank, naive)
+    spec, mla_cfg, _ = _spec_of(model)
+    if mla_cfg is not None:
+        raise BadUsage(f"{model} is already an MLA model")
+    settings.check_model(spec.head_dim, spec.hidden_size, spec.num_kv_heads)
+    if out.exists() and any(out.iterdir()):
+        raise BadUsage(f"output directory {out} exists and is not empty; choose another --out")
+    tok = load_tokenizer(model)
+    calib_ids = _calibration(calib, tok, spec.vocab_size)
+    dec, hf = load_decoder(model, dtype)
+    mla = rewrite_to_mla(dec, settings, calib_ids)
+    save_mla(mla, out, tokenizer_dir=model, hf_config=json.loads(hf.config.to_json_string()))
+    rep = cache_report(spec, mla_ranks=[p.kv_rank for p in mla.mla_plans], rope_dim=rope_dim, context=1)
+    Console().print(f"wrote {out}: r_kv per layer {[p.kv_rank for p in mla.mla_plans]}, d_rope {rope_dim}; "
+                    f"cache {rep.to_dict()['per_token_ratio']:.2f}x smaller per token")
+
+
+@app.command("inspect")
+def inspect_cmd(
+    model: str = typer.Argument(..., help="HF model directory or kvexport MLA directory."),
+    mla_rank: Optional[int] = typer.Option(None, "--mla-rank", help=RANK_HELP + " Accounting from the config alone."),
+    mla_energy: Optional[float] = typer.Option(None, "--mla-energy", help=ENERGY_HELP + " Loads the weights."),
+    rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help=ROPE_HELP + " Default 32 with an MLA rank."),
+    budget: Optional[int] = typer.Option(None, "--budget", help="Static eviction budget (tokens kept per layer)."),
+    window: int = typer.Option(32, "--window", help="Decode window slots on top of --budget."),
+    context: int = typer.Option(4096, "--context", help="Sequence length for the per-sequence numbers."),
+    cache_dtype: Optional[str] = typer.Option(None, "--dtype", help="Cache element type (default: the model's)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Cache size per token, layer and sequence, and the ratio against the original (uncompressed) cache."""
+    from kvexport.errors import BadUsage
+    from kvexport.mla.accounting import cache_report
+
+    spec, mla_cfg, dtype = _spec_of(model)
+    mla_info = None
+    ranks = None
+    if mla_cfg is not None:
+        if mla_rank is not None or mla_energy is not None:
+            raise BadUsage(f"{model} is already an MLA model; --mla-rank/--mla-energy apply to HF models")
+        ranks = [lp["kv_rank"] for lp in mla_cfg["layers"]]
+        rope_dim = int(mla_cfg["settings"]["rope_dim"])
+        mla_info = mla_cfg["settings"]
+    elif mla_rank is not None or mla_energy is not None:
+        rope_dim = 32 if rope_dim is None else rope_dim
+        settings = _settings(mla_rank, mla_energy, rope_dim)
+        settings.check_model(spec.head_dim, spec.hidden_size, spec.num_kv_heads)
+        if mla_energy is not None:
+            from kvexport.mla.rewrite import rewrite_to_mla
+            from kvexport.models.loading import load_decoder
+
+            dec, _ = load_decoder(model)
+            ranks = [p.kv_rank for p in rewrite_to_mla(dec, settings).mla_plans]
+        else:
+            ranks = [int(mla_rank)]
+        mla_info = settings.to_dict()
+    elif rope_dim is not None:
+        raise BadUsage("--rope-dim needs --mla-rank or --mla-energy")
+    norm = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+    rep = cache_report(spec, model=model, mla_ranks=ranks, rope_dim=rope_dim, context=context, budget=budget,
+                       window=window if budget is not None else None,
+                       dtype=cache_dtype or norm.get(dtype, "float16"), mla=mla_info)
+    d = rep.to_dict()
+    if as_json:
+        typer.echo(json.dumps(d, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"KV cache of {model} ({spec.family}, {spec.num_layers} layers, {d['dtype']})")
+    t.add_column("")
+    t.add_column("original", justify="right")
+    t.add_column("this", justify="right")
+    t.add_row("elements / token / layer", str(d["original_elements_per_token_layer"]),
+              str(d["elements_per_token_layer"][0]) if len(set(d["elements_per_token_layer"])) == 1
+              else f"{min(d['elements_per_token_layer'])}-{max(d['elements_per_token_layer'])}")
+    t.add_row("bytes / token (all layers)", f"{d['original_bytes_per_token']:,}", f"{d['bytes_per_token']:,}")
+    t.add_row(f"tokens held at context {context}", f"{context:,}", f"{d['tokens_held']:,}")
+    t.add_row("bytes / sequence", f"{d['original_bytes_per_sequence']:,}", f"{d['bytes_per_sequence']:,}")
+    t.add_row("ratio", "1.00x", f"{d['ratio']:.2f}x (per token {d['per_token_ratio']:.2f}x)")
+    Console().print(t)
+
+
+@app.command("distill")
+def distill_cmd(
+    student: str = typer.Argument(..., help="MLA model directory, or an HF directory with --mla-rank/--rope-dim."),
+    teacher: str = typer.Option(..., "--teacher", help="Teacher model directory (same tokenizer; may be larger)."),
+    data: Path = typer.Option(..., "--data", help="Training data: UTF-8 text, .jsonl (text or input_ids) or .npy ids."),
+    tokens: int = typer.Option(..., "--tokens", help="Training tokens to consume (steps = tokens / (batch x seq-len))."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory (default: <student>-distilled)."),
+    seq_len: int = typer.Option(256, "--seq-len", help="Tokens per training sequence."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Sequences per global batch (split over processes)."),
+    lr: float = typer.Option(1e-4, "--lr", help="AdamW learning rate."),
+    ce_weight: float = typer.Option(0.0, "--ce-weight", help="Weight of next-token cross-entropy added to the KL."),
+    save_every: int = typer.Option(100, "--save-every", help="Checkpoint every N steps (and at the end)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in --out."),
+    seed: int = typer.Option(0, "--seed", help="Data order and init seed."),
+    mla_rank: Optional[int] = typer.Option(None, "--mla-rank", help=RANK_HELP + " Rewrites an HF student first."),
+    mla_energy: Optional[float] = typer.Option(None, "--mla-energy", help=ENERGY_HELP),
+    rope_dim: int = typer.Option(32, "--rope-dim", help=ROPE_HELP),
+    rope_init: str = typer.Option("xeco", "--rope-init", help="xeco or norm (2-norm on the training data)."),
+    cpu: bool = typer.Option(False, "--cpu", help="Stay on the CPU even when a GPU is present."),
+    no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar (logs still written)."),
+) -> None:
+    """Distil an MLA student from a teacher's logits (forward KL), with checkpoints; `accelerate launch -m kvexport
+    distill ...` runs the same command data-parallel over processes and machines."""
+    from kvexport.errors import BadUsage
+    from kvexport.mla.distill import DistillConfig, check_out_dir, check_teacher, distill, read_tokens
+    from kvexport.mla.io import is_mla_dir, load_mla
+    from kvexport.models.loading import load_decoder, load_tokenizer
+
+    cfg = DistillConfig(tokens=tokens, seq_len=seq_len, batch_size=batch_size, lr=lr, ce_weight=ce_weight,
+                        save_every=save_every, seed=seed)
+    out = out or Path(str(Path(student)).rstrip("/") + "-distilled")
+    check_out_dir(out, resume)
+    mla_dir = is_mla_dir(student)
+    if mla_dir and (mla_rank is not None or mla_energy is not None):
+        raise BadUsage(f"{student} is already an MLA model; drop --mla-rank/--mla-energy")
+    settings = None
+    if not mla_dir:
+        if mla_rank is None and mla_energy is None:
+            raise BadUsage(f"{student} is not an MLA directory; give --mla-rank R (or --mla-energy δ) and "
+                           "--rope-dim D to rewrite it first")
+        settings = _settings(mla_rank, mla_energy, rope_dim, rope_init)
+        spec, _, _ = _spec_of(student)
+        settings.check_model(spec.head_dim, spec.hidden_size, spec.num_kv_heads)
+    s_tok = load_tokenizer(student)
+    t_tok = load_tokenizer(teacher) if Path(teacher).is_dir() else None
+    if mla_dir:
+        stud = load_mla(student)
+    else:
+        dec, hf = load_decoder(student)
+        dec.hf_config = json.loads(hf.config.to_json_string())
+    vocab = stud.spec.vocab_size if mla_dir else dec.spec.vocab_size
+    ids = read_tokens(data, s_tok, vocab)
+    teach, _ = load_decoder(teacher)
+    if not mla_dir:
+        from kvexport.mla.rewrite import rewrite_to_mla
+
+        n = min(ids.numel() // 64, 8)
+        calib = ids[: n * 64].view(n, 64) if n else ids[None]
+        stud = rewrite_to_mla(dec, settings, calib)
+    check_teacher(stud, teach, s_tok, t_tok)
+    distill(stud, teach, ids, out, cfg, resume=resume, tokenizer_dir=student, cpu=cpu, progress=not no_progress)

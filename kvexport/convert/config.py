@@ -1,0 +1,286 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Settings of one ``kvexport convert`` run: read from flags and/or a YAML/JSON file, checked, saved.
+
+Rules (checked before any work, each refusal is a :class:`~kvexport.errors.BadUsage` naming the
+reason):
+
+- Compression: when no compression setting is given at all (no press, budget, window, MLA rank or
+  energy), the showcase defaults apply: SnapKV, budget 256, window 32, and an MLA rank that gives
+  about 5x on the model's cache. As soon as one compression setting is given, only what is given
+  is applied (``--press snapkv --budget 256`` = eviction only, ``--mla-rank 64`` = MLA only).
+- ``--press none`` keeps every token (no eviction); ``--budget``/``--window`` then make no sense.
+- ``--mla-rank`` and ``--mla-energy`` exclude each other; ``--rope-dim`` needs one of them.
+- Distillation needs a teacher, data and MLA (it repairs the MLA rewrite).
+- ``--allow-partial`` only means something with ``--target tensorrt``.
+
+The resolved settings are saved as ``DIR/convert.json``; ``--config DIR/convert.json`` reads them
+back, so ``kvexport convert --config A/convert.json --out B`` redoes the conversion of A.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kvexport.errors import BadUsage
+
+TARGETS = ("onnx", "tensorrt")
+BACKENDS = ("onnxruntime", "tensorrt", "pytorch")
+DEFAULT_PRESS = "snapkv"
+DEFAULT_BUDGET = 256
+DEFAULT_WINDOW = 32
+DEFAULT_CHUNK = 64
+#: default profile contexts; contexts past the model's position range are dropped at run time
+DEFAULT_CONTEXTS = (512, 2048, 8192)
+DEFAULT_DECODE_STEPS = 16
+#: per-token cache compression the default MLA rank aims at
+DEFAULT_MLA_TARGET_RATIO = 5.0
+
+#: settings that count as "the user chose a compression"
+_COMPRESSION_KEYS = ("press", "budget", "window", "mla_rank", "mla_energy", "rope_dim")
+
+
+@dataclass
+class ConvertConfig:
+    """Every setting of a conversion. ``None`` = not given (defaults are filled by :meth:`resolve`)."""
+
+    model: str | None = None
+    mla_rank: int | None = None
+    mla_energy: float | None = None
+    rope_dim: int | None = None
+    press: str | None = None
+    budget: int | None = None
+    window: int | None = None
+    chunk: int | None = None
+    distill_teacher: str | None = None
+    distill_data: str | None = None
+    distill_tokens: int | None = None
+    target: str = "onnx"
+    fp16: bool = False
+    validate: bool = True
+    profile: bool = True
+    baseline: bool = True
+    allow_partial: bool = False
+    contexts: list[int] = field(default_factory=lambda: list(DEFAULT_CONTEXTS))
+    decode_steps: int = DEFAULT_DECODE_STEPS
+    seed: int = 0
+    #: filled by resolve(): True when the showcase defaults were applied
+    showcase_defaults: bool = False
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_mapping(cls, data: dict[str, Any], source: str = "config") -> "ConvertConfig":
+        """A dict (flat, or convert.json's ``{"settings": {...}}``) -> config. Unknown keys are refused."""
+        if not isinstance(data, dict):
+            raise BadUsage(f"{source} must be a mapping of setting names to values")
+        if "settings" in data and isinstance(data["settings"], dict):
+            data = data["settings"]
+        data = {str(k).replace("-", "_"): v for k, v in data.items()}
+        data.pop("out", None)  # the output directory always comes from --out
+        unknown = sorted(set(data) - set(cls.keys()))
+        if unknown:
+            raise BadUsage(f"{source}: unknown setting(s) {', '.join(unknown)}; accepted: {', '.join(cls.keys())}")
+        cfg = cls()
+        for k, v in data.items():
+            setattr(cfg, k, v)
+        cfg._coerce(source)
+        return cfg
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ConvertConfig":
+        """Read a ``.json``, ``.yaml`` or ``.yml`` file."""
+        p = Path(path)
+        if not p.is_file():
+            raise BadUsage(f"config file {p} does not exist")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise BadUsage(f"config file {p} is not UTF-8 text") from None
+        try:
+            if p.suffix.lower() == ".json":
+                data = json.loads(text)
+            else:
+                import yaml
+
+                data = yaml.safe_load(text)
+        except Exception as e:  # noqa: BLE001 - JSON or YAML syntax error
+            raise BadUsage(f"config file {p} cannot be parsed: {str(e).splitlines()[0][:160]}") from None
+        if data is None:
+            data = {}
+        return cls.from_mapping(data, source=f"config file {p}")
+
+    def merged(self, overrides: dict[str, Any]) -> "ConvertConfig":
+        """A copy with the non-None ``overrides`` (CLI flags given explicitly) applied on top."""
+        d = asdict(self)
+        d.update({k: v for k, v in overrides.items() if v is not None})
+        return ConvertConfig.from_mapping(d, source="options")
+
+    def _coerce(self, source: str) -> None:
+        def as_int(name):
+            v = getattr(self, name)
+            if v is None:
+                return
+            if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+                raise BadUsage(f"{source}: {name} must be an integer, got {v!r}")
+            try:
+                iv = int(v)
+            except ValueError:
+                raise BadUsage(f"{source}: {name} must be an integer, got {v!r}") from None
+            if isinstance(v, float) and iv != v:
+                raise BadUsage(f"{source}: {name} must be an integer, got {v!r}")
+            setattr(self, name, iv)
+
+        for name in ("mla_rank", "rope_dim", "budget", "window", "chunk", "distill_tokens", "decode_steps", "seed"):
+            as_int(name)
+        if self.mla_energy is not None:
+            try:
+                self.mla_energy = float(self.mla_energy)
+            except (TypeError, ValueError):
+                raise BadUsage(f"{source}: mla_energy must be a number in (0, 1], got {self.mla_energy!r}") from None
+        for name in ("fp16", "validate", "profile", "baseline", "allow_partial", "showcase_defaults"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise BadUsage(f"{source}: {name} must be true or false, got {v!r}")
+        self.contexts = parse_contexts(self.contexts, source)
+        for name in ("model", "press", "distill_teacher", "distill_data", "target"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                setattr(self, name, str(v))
+
+    # ------------------------------------------------------------------ checking
+    @property
+    def uses_mla(self) -> bool:
+        return self.mla_rank is not None or self.mla_energy is not None
+
+    @property
+    def uses_press(self) -> bool:
+        return self.press not in (None, "none")
+
+    @property
+    def distills(self) -> bool:
+        return self.distill_teacher is not None
+
+    def check(self) -> None:
+        """Refuse combinations and values that make no sense, before any work starts."""
+        if self.mla_rank is not None and self.mla_energy is not None:
+            raise BadUsage("--mla-rank and --mla-energy exclude each other: give a fixed rank or an energy "
+                           "threshold, not both")
+        if self.mla_rank is not None and self.mla_rank < 1:
+            raise BadUsage(f"--mla-rank {self.mla_rank} must be >= 1")
+        if self.mla_energy is not None and not (0.0 < self.mla_energy <= 1.0):
+            raise BadUsage(f"--mla-energy {self.mla_energy} must be in (0, 1] (e.g. 0.95)")
+        if self.rope_dim is not None and not self.uses_mla:
+            raise BadUsage("--rope-dim only applies to the MLA rewrite: add --mla-rank R or --mla-energy δ")
+        if self.rope_dim is not None and (self.rope_dim < 2 or self.rope_dim % 2):
+            raise BadUsage(f"--rope-dim {self.rope_dim} must be a positive even number")
+        if self.press is not None:
+            from kvexport.presses import PRESSES
+
+            if self.press != "none" and self.press not in PRESSES:
+                raise BadUsage(f"unknown press {self.press!r}; accepted: none, {', '.join(PRESSES)}")
+        if not self.uses_press:
+            if self.budget is not None:
+                raise BadUsage("--budget needs an eviction press (--press P); without one every token is kept")
+            if self.window is not None:
+                raise BadUsage("--window needs an eviction press (--press P); it sizes the decode slots "
+                               "between compactions")
+        if self.budget is not None and self.budget < 1:
+            raise BadUsage(f"--budget {self.budget} must be >= 1 token")
+        if self.window is not None and self.window < 1:
+            raise BadUsage(f"--window {self.window} must be >= 1 token")
+        if self.chunk is not None and self.chunk < 1:
+            raise BadUsage(f"--chunk {self.chunk} must be >= 1 token")
+        if self.distill_teacher is None and (self.distill_data is not None or self.distill_tokens is not None):
+            raise BadUsage("--distill-data/--distill-tokens need a teacher: add --distill-teacher MODEL")
+        if self.distill_teacher is not None:
+            if not self.uses_mla:
+                raise BadUsage("distillation repairs the MLA rewrite: add --mla-rank R or --mla-energy δ "
+                               "(eviction alone has no weights to train)")
+            if self.distill_data is None:
+                raise BadUsage("--distill-teacher needs --distill-data PATH (a UTF-8 text file)")
+            if not Path(self.distill_data).is_file():
+                raise BadUsage(f"distillation data {self.distill_data} does not exist")
+            if self.distill_tokens is not None and self.distill_tokens < 1:
+                raise BadUsage(f"--distill-tokens {self.distill_tokens} must be >= 1")
+        if self.target not in TARGETS:
+            raise BadUsage(f"--target {self.target!r} is not one of: {', '.join(TARGETS)}")
+        if self.allow_partial and self.target != "tensorrt":
+            raise BadUsage("--allow-partial only applies to --target tensorrt (it keeps the ONNX result when "
+                           "TensorRT is missing)")
+        if self.decode_steps < 1:
+            raise BadUsage(f"decode_steps {self.decode_steps} must be >= 1")
+        if self.model is not None and not Path(self.model).exists():
+            raise BadUsage(f"model directory {self.model} does not exist")
+
+    def resolve(self) -> "ConvertConfig":
+        """Check, then fill defaults: the showcase compression when none was asked for, else the
+        window/budget of a given press. MLA ranks that depend on the model are filled later
+        (:func:`resolve_mla_rank`)."""
+        self.check()
+        if all(getattr(self, k) is None for k in _COMPRESSION_KEYS):
+            self.showcase_defaults = True
+            self.press = DEFAULT_PRESS
+        if self.uses_press:
+            self.budget = DEFAULT_BUDGET if self.budget is None else self.budget
+            self.window = DEFAULT_WINDOW if self.window is None else self.window
+        else:
+            self.press = "none"
+        if self.chunk is None:
+            self.chunk = DEFAULT_CHUNK
+        if self.model is not None:
+            self.model = str(Path(self.model).resolve())
+        if self.distill_data is not None:
+            self.distill_data = str(Path(self.distill_data).resolve())
+        if self.distill_teacher is not None and Path(self.distill_teacher).exists():
+            self.distill_teacher = str(Path(self.distill_teacher).resolve())
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def parse_contexts(value: Any, source: str = "options") -> list[int]:
+    """``"512,2048"`` or ``[512, 2048]`` -> sorted unique positive ints."""
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.split(",") if p.strip()]
+    elif isinstance(value, (list, tuple)):
+        parts = list(value)
+    else:
+        raise BadUsage(f"{source}: contexts must be a list like 512,2048,8192, got {value!r}")
+    out = []
+    for p in parts:
+        try:
+            c = int(p)
+        except (TypeError, ValueError):
+            raise BadUsage(f"{source}: context {p!r} is not an integer (give e.g. 512,2048,8192)") from None
+        if c < 1:
+            raise BadUsage(f"{source}: context {c} must be >= 1")
+        out.append(c)
+    if not out:
+        raise BadUsage(f"{source}: give at least one context length")
+    return sorted(set(out))
+
+
+def default_mla_rank(num_kv_heads: int, head_dim: int, rope_dim: int, target_ratio: float = DEFAULT_MLA_TARGET_RATIO,
+                     max_rank: int | None = None) -> int:
+    """Rank r_kv, a multiple of 8, whose cache ``r_kv + d_rope`` is about ``1/target_ratio`` of ``2 n_kv d_h``."""
+    full = 2 * num_kv_heads * head_dim
+    r = max(8, int(round((full / target_ratio - rope_dim) / 8.0)) * 8)
+    if max_rank is not None:
+        r = min(r, max_rank)
+    return r
+
+
+def default_rope_dim(head_dim: int) -> int:
+    """A decoupled RoPE key of a quarter of the head (even, at least 4, at most 32)."""
+    return max(4, min(32, (head_dim // 4) // 2 * 2))
+
+
+__all__ = ["ConvertConfig", "parse_contexts", "default_mla_rank", "default_rope_dim", "TARGETS", "BACKENDS",
+           "DEFAULT_PRESS", "DEFAULT_BUDGET", "DEFAULT_WINDOW", "DEFAULT_CONTEXTS"]

@@ -1,0 +1,318 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``kvexport convert``: load -> rewrite -> (distill) -> export -> (engine) -> validate -> profile -> report.
+
+Everything that can be refused is refused before the first stage (settings, model directory, ranks,
+``--out``, TensorRT for ``--target tensorrt`` without ``--allow-partial``). Stages then run inside a
+temporary sibling of ``--out`` that is renamed onto it only at the end (kvexport.export.manifest's
+``atomic_output``), so a failed stage leaves nothing behind. See :mod:`kvexport.convert.layout` for
+what the directory holds.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvexport.convert import layout
+from kvexport.convert.config import ConvertConfig, default_mla_rank, default_rope_dim
+from kvexport.convert.pipeline import Pipeline, Stage, StageRecord
+from kvexport.errors import BadUsage, MissingBackend, ParityFailure
+
+
+@dataclass
+class ConvertState:
+    """What stages hand to each other."""
+
+    cfg: ConvertConfig
+    model_path: Path
+    work: Path
+    spec: Any = None
+    hf: Any = None
+    decoder: Any = None
+    mla_decoder: Any = None
+    export_source: Any = None
+    parity: dict[str, Any] | None = None
+    engine_missing: str | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+def mla_available() -> bool:
+    try:
+        from kvexport.mla.rewrite import rewrite_to_mla  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def tensorrt_problem() -> str | None:
+    """None when TensorRT engines can be built here, else one line saying what is missing."""
+    try:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorrt") is None:
+            return ("TensorRT is not installed (pip install 'kvexport[tensorrt]' on a machine with an NVIDIA GPU, or "
+                    "use JetPack's TensorRT on Jetson)")
+        import kvexport.tensorrt  # noqa: F401
+    except ImportError as e:
+        return f"kvexport's TensorRT support cannot be imported ({e})"
+    from kvexport.profile.memory import gpu_present
+
+    if not gpu_present():
+        return "TensorRT is installed but no NVIDIA GPU is visible"
+    return None
+
+
+def resolve_settings(cfg: ConvertConfig) -> tuple[ConvertConfig, Path, Any]:
+    """Check and complete the settings against the model; -> (cfg, model dir, ModelSpec). No work done."""
+    from kvexport.cli.common import resolve_model
+    from kvexport.models.loading import check_model_dir
+    from kvexport.profile.run import model_spec
+
+    cfg.resolve()
+    model_path = Path(resolve_model(cfg.model)).resolve()
+    cfg.model = str(model_path)
+    check_model_dir(model_path)
+    spec = model_spec(model_path)
+    if cfg.showcase_defaults and mla_available():
+        from kvexport.mla.config import max_kv_rank
+
+        cfg.rope_dim = default_rope_dim(spec.head_dim)
+        cfg.mla_rank = default_mla_rank(spec.num_kv_heads, spec.head_dim, cfg.rope_dim,
+                                        max_rank=max_kv_rank(spec.hidden_size, spec.num_kv_heads, spec.head_dim,
+                                                             cfg.rope_dim))
+    if cfg.uses_mla:
+        if not mla_available():
+            raise MissingBackend("this kvexport has no MLA rewrite (kvexport.mla); drop --mla-rank/--mla-energy")
+        if cfg.rope_dim is None:
+            cfg.rope_dim = default_rope_dim(spec.head_dim)
+        mla_settings(cfg).check_model(spec.head_dim, spec.hidden_size, spec.num_kv_heads)
+    if cfg.uses_press:
+        from kvexport.presses import make_press
+
+        make_press(cfg.press, budget=cfg.budget)  # refuses a budget the press cannot take
+        try:
+            from kvexport.export.exporter import NOT_EXPORTABLE
+        except ImportError:
+            NOT_EXPORTABLE = {}
+        if cfg.press in NOT_EXPORTABLE:
+            raise BadUsage(f"--press {cfg.press} cannot be exported: {NOT_EXPORTABLE[cfg.press]}")
+        ctx_max = int(spec.max_position_embeddings)
+        if cfg.budget + cfg.window > ctx_max:
+            raise BadUsage(f"--budget {cfg.budget} + --window {cfg.window} exceeds the model's {ctx_max} positions")
+    if cfg.chunk > int(spec.max_position_embeddings):
+        raise BadUsage(f"--chunk {cfg.chunk} exceeds the model's {spec.max_position_embeddings} positions")
+    if cfg.distills and Path(cfg.distill_teacher).exists():
+        check_model_dir(cfg.distill_teacher)
+    return cfg, model_path, spec
+
+
+def mla_settings(cfg: ConvertConfig):
+    from kvexport.mla.config import MLASettings
+
+    return MLASettings(kv_rank=cfg.mla_rank, energy=cfg.mla_energy, rope_dim=int(cfg.rope_dim))
+
+
+# ----------------------------------------------------------------------------- stages
+def stage_load(st: ConvertState) -> str:
+    from transformers.utils import logging as hf_logging
+
+    from kvexport.models.loading import load_decoder, load_tokenizer
+
+    hf_logging.disable_progress_bar()
+
+    st.decoder, st.hf = load_decoder(st.model_path, "fp32")
+    if load_tokenizer(st.model_path) is None:
+        st.notes["tokenizer"] = "none"
+    n = sum(p.numel() for p in st.hf.parameters())
+    st.notes["parameters"] = int(n)
+    return f"{st.spec.family}, {st.spec.num_layers} layers, {n / 1e6:.2f}M parameters"
+
+
+def stage_rewrite(st: ConvertState) -> str:
+    from kvexport.mla.io import save_mla
+    from kvexport.mla.rewrite import rewrite_to_mla
+
+    dec = rewrite_to_mla(st.decoder, mla_settings(st.cfg))
+    st.mla_decoder = dec
+    save_mla(dec, st.work / layout.MLA_DIR, tokenizer_dir=st.model_path, hf_config=_hf_config(st.model_path))
+    ranks = [p.kv_rank for p in dec.mla_plans]
+    st.notes["mla_ranks"] = ranks
+    full = 2 * st.spec.num_kv_heads * st.spec.head_dim
+    per = sum(r + st.cfg.rope_dim for r in ranks) / len(ranks)
+    return f"MLA r_kv {_ranks_text(ranks)}, d_rope {st.cfg.rope_dim}: {full / per:.2f}x smaller per token"
+
+
+def stage_distill(st: ConvertState) -> str:
+    try:
+        from kvexport.mla.distill import distill  # type: ignore[import-not-found]
+    except ImportError:
+        raise MissingBackend("this kvexport has no distillation (kvexport.mla.distill)") from None
+    from kvexport.mla.io import load_mla, save_mla
+
+    mla_dir = st.work / layout.MLA_DIR
+    result = distill(mla_dir, teacher=st.cfg.distill_teacher, data=st.cfg.distill_data,
+                     tokens=st.cfg.distill_tokens, out=st.work / "distill", seed=st.cfg.seed)
+    student = Path(getattr(result, "out_dir", None) or (st.work / "distill"))
+    dec = load_mla(student)
+    shutil.rmtree(mla_dir)
+    save_mla(dec, mla_dir, tokenizer_dir=st.model_path, hf_config=_hf_config(st.model_path))
+    shutil.rmtree(st.work / "distill", ignore_errors=True)
+    st.mla_decoder = dec
+    loss = getattr(result, "final_loss", None) or (result.get("final_loss") if isinstance(result, dict) else None)
+    return f"distilled from {Path(st.cfg.distill_teacher).name}" + (f", final KL {loss:.4f}" if loss else "")
+
+
+def stage_export(st: ConvertState) -> str:
+    from kvexport.convert.exporting import export_baseline, export_converted
+
+    export_converted(st)
+    msg = f"{_dir_size(st.work / layout.ONNX_DIR) / 2**20:.1f} MiB"
+    if st.cfg.baseline:
+        export_baseline(st)
+        msg += f"; baseline {_dir_size(st.work / layout.BASELINE_DIR) / 2**20:.1f} MiB"
+    return msg
+
+
+def stage_engine(st: ConvertState) -> str:
+    problem = tensorrt_problem()
+    if problem is not None:
+        # only reached with --allow-partial (checked up front otherwise)
+        st.engine_missing = problem
+        return "skipped: " + problem
+    from kvexport.tensorrt import build_engine  # type: ignore[attr-defined]
+
+    build_engine(st.work / layout.ONNX_DIR, out=st.work / layout.ENGINE_DIR, fp16=st.cfg.fp16)
+    return f"{_dir_size(st.work / layout.ENGINE_DIR) / 2**20:.1f} MiB"
+
+
+def stage_validate(st: ConvertState) -> str:
+    from kvexport.convert.exporting import run_validate
+
+    parity = run_validate(st)
+    st.parity = parity
+    (st.work / layout.PARITY_JSON).write_text(json.dumps(parity, indent=2, default=str))
+    from kvexport.report.collect import normalize_parity
+
+    norm = normalize_parity(parity)
+    if not norm["passed"]:
+        bad = [p["pair"] for p in norm["pairs"] if not p.get("passed")]
+        raise ParityFailure(f"parity FAILED for {', '.join(bad) or 'the export'} (see parity.json; rerun with "
+                            "--no-validate to keep the export anyway)")
+    return f"PASSED ({', '.join(p['pair'] for p in norm['pairs'])})"
+
+
+def stage_profile(st: ConvertState) -> str:
+    from kvexport.profile.run import profile_dir
+
+    backend = "tensorrt" if (st.cfg.target == "tensorrt" and st.engine_missing is None) else "onnxruntime"
+    prof = profile_dir(st.work, backend=backend, contexts=st.cfg.contexts, decode_steps=st.cfg.decode_steps,
+                       baseline=st.cfg.baseline, seed=st.cfg.seed)
+    conv = prof["variants"]["converted"]["contexts"][-1]
+    msg = f"{backend}: decode p50 {conv['decode_ms_p50']:.2f} ms at {conv['context']} tokens"
+    base = prof["variants"].get("baseline")
+    if base:
+        b = base["contexts"][-1]
+        msg += f" (baseline {b['decode_ms_p50']:.2f} ms)"
+    return msg
+
+
+def stage_report(st: ConvertState) -> str:
+    from kvexport.report import write_report
+
+    rep = write_report(st.work)
+    return f"report.html, report.md, {len(rep.get('plots') or {})} plots"
+
+
+# ----------------------------------------------------------------------------- driver
+def convert_json(st: ConvertState, records: list[StageRecord]) -> dict[str, Any]:
+    import kvexport
+
+    spec = st.spec.to_dict() if st.spec is not None else {}
+    model = {"name": st.model_path.name, "path": str(st.model_path), "family": st.spec.family if st.spec else None,
+             **{k: v for k, v in spec.items() if k not in ("rope",)}}
+    if "parameters" in st.notes:
+        model["parameters"] = st.notes["parameters"]
+    out = {
+        "format": "kvexport-convert",
+        "version": 1,
+        "kvexport_version": getattr(kvexport, "__version__", "?"),
+        "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "settings": st.cfg.to_dict(),
+        "model": model,
+        "stages": [r.to_dict() for r in records],
+        "reproduce": "kvexport convert --config DIR/convert.json --out NEW_DIR",
+    }
+    if "mla_ranks" in st.notes:
+        out["mla"] = {"kv_ranks": st.notes["mla_ranks"], "rope_dim": st.cfg.rope_dim}
+    if st.engine_missing:
+        out["engine_missing"] = st.engine_missing
+    return out
+
+
+def run_convert(cfg: ConvertConfig, out: str | Path, force: bool = False, console=None) -> dict[str, Any]:
+    """Run a whole conversion into ``out``; -> convert.json's content. Raises the failed stage's error
+    (named), :class:`MissingBackend` after keeping the ONNX result for ``--target tensorrt
+    --allow-partial`` without TensorRT."""
+    from kvexport.export.manifest import atomic_output, check_out_dir
+
+    cfg, model_path, spec = resolve_settings(cfg)
+    out = Path(out)
+    check_out_dir(out, force)
+    if cfg.target == "tensorrt" and not cfg.allow_partial:
+        problem = tensorrt_problem()
+        if problem is not None:
+            raise MissingBackend(f"--target tensorrt: {problem}; nothing was written (add --allow-partial to keep "
+                                 "the ONNX result, or use --target onnx)")
+    with atomic_output(out, force) as tmp:
+        st = ConvertState(cfg=cfg, model_path=model_path, work=Path(tmp), spec=spec)
+        stages = [
+            Stage("load", lambda: stage_load(st)),
+            Stage("rewrite", lambda: stage_rewrite(st), cfg.uses_mla, "no MLA (eviction is applied in the export)"),
+            Stage("distill", lambda: stage_distill(st), cfg.distills, "no --distill-teacher"),
+            Stage("export", lambda: stage_export(st)),
+            Stage("engine", lambda: stage_engine(st), cfg.target == "tensorrt", "--target onnx"),
+            Stage("validate", lambda: stage_validate(st), cfg.validate, "--no-validate"),
+            Stage("profile", lambda: stage_profile(st), cfg.profile, "--no-profile"),
+        ]
+        pipe = Pipeline(stages, console=console)
+
+        def report() -> str:
+            # convert.json first (the report reads it), then the report; convert.json is rewritten at the end
+            _write_json(st.work / layout.CONVERT_JSON, convert_json(st, pipe.records))
+            return stage_report(st)
+
+        stages.append(Stage("report", report))
+        records = pipe.run()
+        cj = convert_json(st, records)
+        _write_json(st.work / layout.CONVERT_JSON, cj)
+    if st.engine_missing:
+        raise MissingBackend(f"--target tensorrt: {st.engine_missing}; kept the ONNX result in {out} "
+                             "(--allow-partial), no engine was built")
+    return cj
+
+
+# ----------------------------------------------------------------------------- helpers
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def _hf_config(model_path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((model_path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return str(ranks[0]) if len(set(ranks)) == 1 else ",".join(map(str, ranks))
+
+
+def _dir_size(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file()) if d.exists() else 0
+
+
+__all__ = ["run_convert", "resolve_settings", "ConvertState", "tensorrt_problem", "mla_available"]

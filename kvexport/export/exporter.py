@@ -1,0 +1,380 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``export_model``: a HF causal LM (optionally MLA-rewritten, with a press) -> a directory of ONNX graphs.
+
+Exporter: ``torch.onnx.export(dynamo=True)`` (torch.export, then onnxscript's translation) with a
+``custom_translation_table`` that emits the ``kvexport`` custom nodes; the model-local functions and the
+op schemas are added afterwards (:mod:`kvexport.export.ops`). It was chosen over the TorchScript exporter
+because it traces the press's Python ``score()`` without scripting, is the maintained path in torch 2.13,
+and gives the same bytes on every run once node metadata (stack traces) is stripped.
+
+Layout of an export directory (static caches)::
+
+    prefill.onnx   a chunk of exactly C tokens, cache compacted back to budget inside the graph
+    decode.onnx    one token per row, written at the host-given slot (one-hot Where)
+    compact.onnx   decode-time compaction of every layer (absent without a press)
+    *.onnx.data    external weights, when a graph holds more than 4 MiB of initializers
+    tokenizer/     the source model's tokenizer files, when it has them
+    manifest.json  settings, model hash and sha256 of every file (kvexport.export.manifest)
+
+``--dynamic-cache`` writes ``model.onnx`` instead: full cache with a growing past (the Optimum baseline).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvexport.errors import BadModel, BadUsage
+from kvexport.export import graphs, ops
+from kvexport.export.manifest import atomic_output, check_out_dir, write_manifest
+
+KIND = "onnx-export"
+EXTERNAL_DATA_BYTES = 4 << 20  # a graph with more initializer bytes than this keeps them in <graph>.onnx.data
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+NOT_EXPORTABLE = {
+    "random": "its scores are fresh random draws of the candidates' shape, which a static graph cannot reproduce",
+    "optimal": "it is an oracle that needs future queries",
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "tokenizer.model", "vocab.json", "merges.txt")
+
+
+# ----------------------------------------------------------------------------- model resolution
+def _hash_model(decoder, path: Path | None) -> str:
+    h = hashlib.sha256()
+    if path is not None:
+        for f in sorted(path.glob("*.json")) + sorted(path.glob("*.safetensors")):
+            if f.name.startswith("tokenizer"):
+                continue
+            h.update(f.name.encode())
+            with open(f, "rb") as fh:
+                for b in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(b)
+        return "sha256:" + h.hexdigest()
+    h.update(json.dumps(decoder.spec.to_dict(), sort_keys=True).encode())
+    for name, t in sorted(decoder.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return "sha256:" + h.hexdigest()
+
+
+def _is_mla(decoder) -> bool:
+    return any(getattr(layer.self_attn, "cache_heads", None) == 1 and getattr(layer.self_attn, "value_dim", 1) == 0
+               for layer in decoder.layers)
+
+
+def resolve_decoder(model, dtype: str, mla_rank: int | None, rope_dim: int | None):
+    """model (HF dir, HF model or kvexport Decoder) -> (Decoder in dtype, source dir or None, model hash, mla dict)."""
+    from kvexport.models.decoder import Decoder
+    from kvexport.models.loading import load_hf_model
+
+    path = None
+    if isinstance(model, Decoder):
+        dec = model
+    elif isinstance(model, torch.nn.Module):
+        dec = Decoder.from_hf(load_hf_model(model))
+    else:
+        path = Path(model)
+        dec = Decoder.from_hf(load_hf_model(path, "fp32"))
+    model_hash = _hash_model(dec, path)
+    mla = None
+    if mla_rank is not None:
+        if _is_mla(dec):
+            raise BadUsage("--mla-rank given but the model is already MLA; drop --mla-rank/--rope-dim")
+        from kvexport.mla.config import MLASettings
+        from kvexport.mla.rewrite import rewrite_to_mla
+
+        kw = {"kv_rank": int(mla_rank)}
+        if rope_dim is not None:
+            kw["rope_dim"] = int(rope_dim)
+        settings = MLASettings(**kw)
+        dec = rewrite_to_mla(dec, settings)
+    elif rope_dim is not None:
+        raise BadUsage("--rope-dim needs --mla-rank")
+    if _is_mla(dec):
+        from kvexport.mla.rewrite import set_absorb
+
+        set_absorb(dec, True)
+        s = getattr(dec, "mla_settings", None)
+        mla = {"settings": s.to_dict() if s is not None else None,
+               "kv_ranks": [int(layer.self_attn.kv_rank) for layer in dec.layers],
+               "rope_dim": int(dec.layers[0].self_attn.rope_dim)}
+    dec = dec.to(DTYPES[dtype]).eval()
+    return dec, path, model_hash, mla
+
+
+def resolve_press(press, budget: int | None, ratio: float | None):
+    """press name / object / None -> press object or None, with the checks a static export needs."""
+    from kvexport.presses import make_press
+    from kvexport.presses.base import ScorerPress
+
+    if ratio is not None:
+        raise BadUsage("a static export needs --budget N (tokens kept); --ratio depends on the prompt length")
+    if press is None or press == "none":
+        if budget is not None:
+            raise BadUsage("--budget needs a --press (accepted: a press name, not 'none')")
+        return None
+    if isinstance(press, str):
+        if budget is None:
+            raise BadUsage(f"--press {press} needs --budget N (tokens kept per layer and head)")
+        press = make_press(press, budget=budget)
+    elif not isinstance(press, ScorerPress):
+        raise BadUsage(f"press must be a press name or a ScorerPress, not {type(press).__name__}")
+    elif budget is not None:
+        press = dataclasses.replace(press, budget=int(budget), compression_ratio=None)
+    if press.budget is None:
+        raise BadUsage(f"press {press.name} has no budget; a static export needs --budget N")
+    if press.name in NOT_EXPORTABLE:
+        raise BadUsage(f"press {press.name!r} cannot be exported: {NOT_EXPORTABLE[press.name]}")
+    return press
+
+
+def press_to_dict(press) -> dict[str, Any] | None:
+    if press is None:
+        return None
+    return {"name": press.name, "params": dataclasses.asdict(press)}
+
+
+def press_from_dict(d: dict[str, Any] | None):
+    if d is None:
+        return None
+    from kvexport.presses import PRESSES
+
+    return PRESSES[d["name"]](**d["params"])
+
+
+# ----------------------------------------------------------------------------- ONNX post-processing
+@contextlib.contextmanager
+def _latent_attention_as_custom_op():
+    """While exporting, route MLA's reference ``latent_attention`` through ``torch.ops.kvexport``."""
+    try:
+        import kvexport.mla.attention as mla_attn
+    except ImportError:
+        yield
+        return
+    saved = mla_attn.latent_attention
+
+    def routed(q, latent, q_positions, latent_positions, rank, scale):
+        return ops.latent_attention(q, latent, q_positions, latent_positions, int(rank), float(scale))
+
+    mla_attn.latent_attention = routed
+    try:
+        yield
+    finally:
+        mla_attn.latent_attention = saved
+
+
+def _finish_proto(model, custom: bool):
+    """Attach (custom) or inline (standard) the kvexport functions, strip per-node metadata, check."""
+    import onnx
+    from onnx import inliner
+
+    uses = {n.op_type for n in model.graph.node if n.domain == ops.DOMAIN}
+    del model.functions[:]
+    if uses:
+        model.functions.extend(f for f in ops.function_protos() if f.name in uses)
+    if not custom and uses:
+        model = inliner.inline_local_functions(model)
+        keep = [o for o in model.opset_import if o.domain != ops.DOMAIN]
+        del model.opset_import[:]
+        model.opset_import.extend(keep)
+    if not uses:
+        keep = [o for o in model.opset_import if o.domain != ops.DOMAIN]
+        del model.opset_import[:]
+        model.opset_import.extend(keep)
+    for n in model.graph.node:
+        del n.metadata_props[:]
+    del model.metadata_props[:]
+    model.graph.doc_string = ""
+    model.doc_string = ""
+    model.producer_name = "kvexport"
+    import kvexport
+
+    model.producer_version = kvexport.__version__
+    ops.register_schemas()
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _export_graph(module, args: tuple, input_names: list[str], output_names: list[str], custom: bool,
+                  dynamic_shapes=None):
+    table = ops.translation_table()
+    with torch.no_grad(), warnings.catch_warnings(), _latent_attention_as_custom_op():
+        warnings.simplefilter("ignore")
+        import io
+        from contextlib import redirect_stdout
+
+        buf = io.StringIO()
+        with redirect_stdout(buf):
+            prog = torch.onnx.export(module, args, dynamo=True, custom_translation_table=table, opset_version=ops.OPSET,
+                                     input_names=input_names, output_names=output_names, optimize=True,
+                                     dynamic_shapes=dynamic_shapes, verbose=False)
+    return _finish_proto(prog.model_proto, custom)
+
+
+def _save(model, path: Path) -> bool:
+    import onnx
+
+    size = sum(len(t.raw_data) for t in model.graph.initializer)
+    external = size > EXTERNAL_DATA_BYTES
+    if external:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=path.name + ".data", size_threshold=1024, convert_attribute=False)
+    else:
+        onnx.save_model(model, str(path))
+    return external
+
+
+# ----------------------------------------------------------------------------- example inputs
+def cache_examples(shapes: list[graphs.LayerShape], batch: int, window: int, with_queries: bool, dtype) -> list:
+    out = []
+    for s in shapes:
+        out += [torch.zeros(batch, s.heads, s.capacity, s.key_dim, dtype=dtype),
+                torch.zeros(batch, s.heads, s.capacity, s.value_dim, dtype=dtype),
+                torch.full((batch, s.heads, s.capacity), -1, dtype=torch.long)]
+        if with_queries:
+            out.append(torch.zeros(batch, s.q_heads, window, s.q_dim, dtype=dtype))
+    if with_queries:
+        out.append(torch.full((batch, window), -1, dtype=torch.long))
+    return out
+
+
+# ----------------------------------------------------------------------------- the entry point
+def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio: float | None = None,
+                 window: int = 32, mla_rank: int | None = None, rope_dim: int | None = None, batch: int = 1,
+                 chunk: int = 128, dtype: str = "fp32", ops: str = "custom", dynamic_cache: bool = False,
+                 force: bool = False, max_positions: int | None = None) -> Path:
+    """Export ``model`` to ``out_dir`` (written atomically; see the module docstring for the layout).
+
+    model: HF model directory, in-memory HF ``*ForCausalLM``, or a kvexport Decoder (MLA-rewritten or not).
+    press/budget/window: eviction (static capacity budget + window per layer); press None = full cache with
+    capacity ``max_positions`` (or, with ``dynamic_cache``, the growing-past baseline).
+    mla_rank/rope_dim: rewrite to MLA first (X-EcoMLA SVD init), decode through LatentAttention.
+    batch/chunk: static batch and prefill chunk; dtype "fp32"/"fp16"; ops "custom" (kvexport nodes backed
+    by local functions) or "standard" (the functions inlined). Returns the output directory.
+    """
+    opsel = ops
+    from kvexport.export import ops as ops_mod
+
+    if opsel not in ("custom", "standard"):
+        raise BadUsage(f"--ops {opsel!r} unknown; accepted: custom, standard")
+    if dtype not in DTYPES:
+        raise BadUsage(f"--dtype {dtype!r} unknown; accepted: {', '.join(DTYPES)}")
+    for name, v in (("batch", batch), ("chunk", chunk), ("window", window)):
+        if int(v) < 1:
+            raise BadUsage(f"--{name} {v} must be >= 1")
+    out = check_out_dir(out_dir, force)
+    p = resolve_press(press, budget, ratio)
+    if dynamic_cache and p is not None:
+        raise BadUsage("--dynamic-cache is the full-cache baseline; it takes --press none")
+    dec, src, model_hash, mla = resolve_decoder(model, dtype, mla_rank, rope_dim)
+    spec = dec.spec
+    L = spec.num_layers
+    limit = spec.max_position_embeddings
+    if max_positions is not None and not (1 <= int(max_positions) <= limit):
+        raise BadUsage(f"--max-positions {max_positions} must be in [1, {limit}] (the model's max_position_embeddings)")
+    max_pos = int(max_positions or limit)
+    if chunk > max_pos:
+        raise BadUsage(f"--chunk {chunk} exceeds the model's position range ({max_pos}); give a smaller chunk")
+    if p is not None:
+        budgets = [int(b) for b in p.layer_budgets(L, max_pos)]
+        if max(budgets) > max_pos:
+            raise BadUsage(f"--budget {p.budget} exceeds the model's position range ({max_pos})")
+        if p.budget <= p.always_kept():
+            raise BadUsage(f"--budget {p.budget} must exceed the {p.always_kept()} tokens {p.name} always keeps")
+    else:
+        budgets = [max_pos] * L
+        window_eff = 0
+    window_eff = int(window) if p is not None else 0
+    td = DTYPES[dtype]
+    custom = opsel == "custom"
+    settings: dict[str, Any] = {
+        "mode": "dynamic" if dynamic_cache else "static", "batch": int(batch), "chunk": int(chunk),
+        "window": window_eff, "budgets": budgets if p is not None else None,
+        "capacities": [b + window_eff for b in budgets] if not dynamic_cache else None,
+        "press": press_to_dict(p), "mla": mla, "dtype": dtype, "ops": opsel, "opset": ops_mod.OPSET,
+        "custom_domain": {ops_mod.DOMAIN: ops_mod.OP_VERSION} if custom else None,
+        "max_positions": max_pos, "source": str(src.resolve()) if src is not None else None,
+        "spec": spec.to_dict(), "vocab_size": spec.vocab_size, "num_layers": L,
+    }
+    with atomic_output(out, force) as tmp:
+        files: dict[str, Any] = {}
+        if dynamic_cache:
+            files["model"] = _export_dynamic(dec, tmp, batch, td, custom)
+        else:
+            files.update(_export_static(dec, p, budgets, window_eff, batch, chunk, td, custom, tmp))
+        settings["graphs"] = files
+        if src is not None:
+            toks = [f for f in TOKENIZER_FILES if (src / f).is_file()]
+            if toks:
+                (tmp / "tokenizer").mkdir()
+                for f in toks:
+                    shutil.copyfile(src / f, tmp / "tokenizer" / f)
+        settings["tokenizer"] = "tokenizer" if (tmp / "tokenizer").is_dir() else None
+        write_manifest(tmp, KIND, settings, model_hash, reports=("parity.json",))
+    return Path(out)
+
+
+def _io(model) -> dict[str, list[str]]:
+    return {"inputs": [i.name for i in model.graph.input], "outputs": [o.name for o in model.graph.output]}
+
+
+def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: Path) -> dict[str, Any]:
+    shapes = graphs.layer_shapes(dec, budgets, window)
+    L = len(shapes)
+    wq = press is not None
+    cin, cout = graphs.cache_names(L, wq, "_in"), graphs.cache_names(L, wq, "_out")
+    cache = cache_examples(shapes, batch, window, wq, td)
+    files: dict[str, Any] = {}
+    ids = torch.zeros(batch, chunk, dtype=torch.long)
+    pos = torch.arange(chunk).expand(batch, chunk).contiguous()
+    m = _export_graph(graphs.PrefillChunk(dec, press, budgets, window).eval(),
+                      (ids, pos, torch.tensor([chunk - 1]), torch.zeros(L, dtype=torch.long), *cache),
+                      ["input_ids", "positions", "last_index", "fill"] + cin, ["logits"] + cout, custom)
+    files["prefill"] = {"file": "prefill.onnx", "external_data": _save(m, tmp / "prefill.onnx"), **_io(m)}
+    ids1 = torch.zeros(batch, 1, dtype=torch.long)
+    pos1 = torch.full((batch, 1), chunk, dtype=torch.long)
+    m = _export_graph(graphs.DecodeStep(dec, press, budgets, window).eval(),
+                      (ids1, pos1, torch.zeros(L, dtype=torch.long), *cache),
+                      ["input_ids", "positions", "slot"] + cin, ["logits"] + cout, custom)
+    files["decode"] = {"file": "decode.onnx", "external_data": _save(m, tmp / "decode.onnx"), **_io(m)}
+    if press is not None:
+        kvp = [n for n in cout if not n.startswith("q")]
+        m = _export_graph(graphs.Compact(dec, press, budgets, window).eval(), tuple(cache), cin, kvp, custom)
+        files["compact"] = {"file": "compact.onnx", "external_data": _save(m, tmp / "compact.onnx"), **_io(m)}
+    files["layers"] = [dataclasses.asdict(s) for s in shapes]
+    return files
+
+
+def _export_dynamic(dec, tmp: Path, batch: int, td, custom: bool) -> dict[str, Any]:
+    from torch.export import Dim
+
+    L = dec.spec.num_layers
+    T, P = 3, 2
+    past = []
+    names_in, names_out = [], []
+    for i, layer in enumerate(dec.layers):
+        a = layer.self_attn
+        past += [torch.zeros(batch, a.cache_heads, P, a.key_dim, dtype=td),
+                 torch.zeros(batch, a.cache_heads, P, a.value_dim, dtype=td)]
+        names_in += [f"past_k_{i}", f"past_v_{i}"]
+        names_out += [f"present_k_{i}", f"present_v_{i}"]
+    t, p = Dim("seq", min=1, max=65536), Dim("past", min=1, max=65536)
+    dyn = [{1: t}, {1: t}, {1: p}, tuple({2: p} for _ in range(2 * L))]
+    args = (torch.zeros(batch, T, dtype=torch.long), torch.arange(P, P + T).expand(batch, T).contiguous(),
+            torch.arange(P).expand(batch, P).contiguous(), *past)
+    m = _export_graph(graphs.GrowingPast(dec).eval(), args, ["input_ids", "positions", "past_positions"] + names_in,
+                      ["logits", "present_positions"] + names_out, custom, dynamic_shapes=tuple(dyn))
+    return {"file": "model.onnx", "external_data": _save(m, tmp / "model.onnx"), **_io(m)}
+
+
+def _unused():  # keep BadModel imported for callers that catch it from here
+    return BadModel

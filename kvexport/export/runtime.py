@@ -1,0 +1,284 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Run an export directory with onnxruntime: chunked prefill, greedy decode, host-driven compaction.
+
+Static exports use IO binding with every cache tensor allocated once as an ``OrtValue`` (on the
+session's device). A graph's cache outputs have the same shapes as its inputs; the runner keeps two
+buffers per cache tensor and swaps them after each call (ping-pong), because onnxruntime does not
+promise that a general graph may read and write the same buffer. Memory therefore stays fixed at
+2 x the cache, whatever the number of steps. The host keeps the per-layer fill counts (the rules are
+in :mod:`kvexport.export.graphs`).
+
+The ``--dynamic-cache`` baseline binds its growing ``present_*`` outputs to fresh buffers each step
+(that growth is the point of the comparison).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvexport.errors import BadUsage, MissingBackend
+from kvexport.export.exporter import KIND
+from kvexport.export.manifest import verify_manifest
+
+NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+
+
+@dataclass
+class OrtGenerationResult:
+    tokens: np.ndarray  # (B, n_new) int64
+    prompt_logits: np.ndarray  # (B, V) at the last prompt token
+    step_logits: list[np.ndarray] = field(default_factory=list)  # per decode step (B, V)
+    kept_positions: list[list[np.ndarray]] = field(default_factory=list)  # per compaction, per layer (B, Hc, cap)
+    compaction_steps: list[str] = field(default_factory=list)  # "prefill:<chunk>" / "decode:<step>"
+    compactions: int = 0
+    cache_bytes: int = 0
+
+
+def positions_from_mask(mask: np.ndarray) -> np.ndarray:
+    """attention_mask (B, N) 0/1, left padded -> positions (B, N), -1 on padding."""
+    m = mask.astype(np.int64)
+    return np.where(m.astype(bool), np.cumsum(m, axis=-1) - 1, -1)
+
+
+def _np(x) -> np.ndarray:
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def check_prompt(input_ids, attention_mask, max_new_tokens: int):
+    ids = _np(input_ids).astype(np.int64)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.size == 0 or ids.shape[1] == 0:
+        raise BadUsage("the prompt is empty; give at least one token")
+    mask = np.ones_like(ids) if attention_mask is None else _np(attention_mask).astype(np.int64).reshape(ids.shape)
+    if (mask.sum(-1) == 0).any():
+        raise BadUsage("a prompt row is all padding; give at least one token per row")
+    if int(max_new_tokens) < 1:
+        raise BadUsage(f"max_new_tokens {max_new_tokens} must be >= 1")
+    return ids, mask
+
+
+class OrtGenerator:
+    """Greedy generation from an export directory (verified against its manifest first).
+
+    ``OrtGenerator(dir, providers=None)``: providers default to CUDA when onnxruntime offers it, else CPU.
+    :meth:`generate` takes input_ids / attention_mask (B, N) with B = the export's batch.
+    """
+
+    def __init__(self, path: str | Path, providers: list[str] | None = None, threads: int | None = None):
+        try:
+            import onnxruntime as ort
+        except ImportError:  # pragma: no cover - onnxruntime is a dependency
+            raise MissingBackend("onnxruntime is not installed; pip install onnxruntime") from None
+        self.path = Path(path)
+        self.manifest = verify_manifest(self.path, KIND)
+        self.settings = s = self.manifest["settings"]
+        if providers is None:
+            avail = ort.get_available_providers()
+            providers = ["CUDAExecutionProvider"] if "CUDAExecutionProvider" in avail else []
+            providers.append("CPUExecutionProvider")
+        self.providers = providers
+        self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        if threads:
+            so.intra_op_num_threads = int(threads)
+        self._ort = ort
+        self.sessions = {name: ort.InferenceSession(str(self.path / g["file"]), so, providers=providers)
+                         for name, g in s["graphs"].items() if isinstance(g, dict) and "file" in g}
+        self.batch = int(s["batch"])
+        self.dtype = NP_DTYPES[s["dtype"]]
+        self.dynamic = s["mode"] == "dynamic"
+        self.press = s["press"]
+        if not self.dynamic:
+            self._alloc()
+
+    # ------------------------------------------------------------------ buffers
+    def _ov(self, arr: np.ndarray):
+        return self._ort.OrtValue.ortvalue_from_numpy(arr, self.device, 0)
+
+    def _alloc(self) -> None:
+        """Two OrtValues per cache tensor (ping-pong) and one for the logits, made once."""
+        s = self.settings
+        B, W = self.batch, int(s["window"])
+        self.layers = s["graphs"]["layers"]
+        self.budgets = [int(x["budget"]) for x in self.layers]
+        self.caps = [int(x["capacity"]) for x in self.layers]
+        self.initial: dict[str, np.ndarray] = {}
+        for i, ly in enumerate(self.layers):
+            H, cap = ly["heads"], ly["capacity"]
+            self.initial[f"k_{i}"] = np.zeros((B, H, cap, ly["key_dim"]), self.dtype)
+            self.initial[f"v_{i}"] = np.zeros((B, H, cap, ly["value_dim"]), self.dtype)
+            self.initial[f"pos_{i}"] = np.full((B, H, cap), -1, np.int64)
+            if self.press is not None:
+                self.initial[f"qbuf_{i}"] = np.zeros((B, ly["q_heads"], W, ly["q_dim"]), self.dtype)
+        if self.press is not None:
+            self.initial["qpos"] = np.full((B, W), -1, np.int64)
+        self.buffers = {n: [self._ov(a.copy()), self._ov(a.copy())] for n, a in self.initial.items()}
+        self.cur = dict.fromkeys(self.initial, 0)
+        self.logits = self._ov(np.zeros((B, int(s["vocab_size"])), self.dtype))
+        self.cache_bytes = sum(a.nbytes for n, a in self.initial.items() if n[0] in "kv")
+
+    def reset(self) -> None:
+        for n, a in self.initial.items():
+            self.buffers[n][self.cur[n]].update_inplace(a)
+
+    def _run(self, graph: str, feeds: dict[str, np.ndarray]) -> None:
+        """Bind small host inputs + the current cache buffers, write into the other buffers, then swap."""
+        sess = self.sessions[graph]
+        io = sess.io_binding()
+        g = self.settings["graphs"][graph]
+        for name, arr in feeds.items():
+            io.bind_cpu_input(name, np.ascontiguousarray(arr))
+        swapped = []
+        for name in g["inputs"]:
+            if name.endswith("_in"):
+                base = name[:-3]
+                io.bind_ortvalue_input(name, self.buffers[base][self.cur[base]])
+        for name in g["outputs"]:
+            if name == "logits":
+                io.bind_ortvalue_output(name, self.logits)
+            elif name.endswith("_out"):
+                base = name[:-4]
+                io.bind_ortvalue_output(name, self.buffers[base][1 - self.cur[base]])
+                swapped.append(base)
+        sess.run_with_iobinding(io)
+        for base in swapped:
+            self.cur[base] = 1 - self.cur[base]
+
+    def _positions_now(self) -> list[np.ndarray]:
+        return [self.buffers[f"pos_{i}"][self.cur[f"pos_{i}"]].numpy().copy() for i in range(len(self.layers))]
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 32, eos_token_id: int | None = None,
+                 forced_tokens=None, track_kept: bool = True) -> OrtGenerationResult:
+        """Greedy decoding; ``forced_tokens (B, n)`` feeds those tokens instead of the argmax (teacher
+        forcing, for parity runs). Returns tokens, per-step logits and kept positions after each compaction."""
+        ids, mask = check_prompt(input_ids, attention_mask, max_new_tokens)
+        if ids.shape[0] != self.batch:
+            raise BadUsage(f"this export takes batches of {self.batch} prompt(s), got {ids.shape[0]}")
+        if self.dynamic:
+            return self._generate_dynamic(ids, mask, max_new_tokens, eos_token_id, forced_tokens)
+        return self._generate_static(ids, mask, max_new_tokens, eos_token_id, forced_tokens, track_kept)
+
+    def _next_token(self, last, step, forced, done, eos):
+        tok = last.argmax(-1).astype(np.int64) if forced is None else _np(forced)[:, step].astype(np.int64)
+        if eos is not None:
+            tok = np.where(done, eos, tok)
+            done |= tok == eos
+        return tok
+
+    def _generate_static(self, ids, mask, max_new, eos, forced, track_kept) -> OrtGenerationResult:
+        s = self.settings
+        C, B = int(s["chunk"]), self.batch
+        L = len(self.layers)
+        pos = positions_from_mask(mask)
+        N = ids.shape[1]
+        n_chunks = math.ceil(N / C)
+        if self.press is None and n_chunks * C + max_new > min(self.caps):
+            raise BadUsage(f"prompt ({N} tokens, {n_chunks * C} with chunk padding) + {max_new} new tokens do not "
+                           f"fit this full-cache export's capacity {min(self.caps)}")
+        pad = n_chunks * C - N
+        ids_p = np.concatenate([ids, np.zeros((B, pad), np.int64)], axis=1)
+        pos_p = np.concatenate([pos, np.full((B, pad), -1, np.int64)], axis=1)
+        self.reset()
+        fill = [0] * L
+        res = OrtGenerationResult(tokens=np.zeros((B, 0), np.int64), prompt_logits=np.zeros(0))
+        for c in range(n_chunks):
+            last_index = (N - 1 - c * C) if c == n_chunks - 1 else C - 1
+            self._run("prefill", {"input_ids": ids_p[:, c * C : (c + 1) * C], "positions": pos_p[:, c * C : (c + 1) * C],
+                                  "last_index": np.array([last_index], np.int64), "fill": np.array(fill, np.int64)})
+            if self.press is not None:
+                compacted = any(f + C > b for f, b in zip(fill, self.budgets))
+                fill = [min(f + C, b) for f, b in zip(fill, self.budgets)]
+                if compacted:
+                    res.compactions += 1
+                    if track_kept:
+                        res.kept_positions.append(self._positions_now())
+                        res.compaction_steps.append(f"prefill:{c}")
+            else:
+                fill = [f + C for f in fill]
+        last = self.logits.numpy().copy()
+        res.prompt_logits = last
+        next_pos = pos.max(axis=1) + 1
+        done = np.zeros(B, bool)
+        out = []
+        for step in range(max_new):
+            tok = self._next_token(last, step, forced, done, eos)
+            out.append(tok)
+            if step == max_new - 1 or (eos is not None and done.all()):
+                break
+            self._run("decode", {"input_ids": tok[:, None], "positions": next_pos[:, None].astype(np.int64),
+                                 "slot": np.array(fill, np.int64)})
+            last = self.logits.numpy().copy()
+            res.step_logits.append(last)
+            fill = [f + 1 for f in fill]
+            if self.press is not None and any(f >= c for f, c in zip(fill, self.caps)):
+                self._run("compact", {})
+                fill = [min(f, b) for f, b in zip(fill, self.budgets)]
+                res.compactions += 1
+                if track_kept:
+                    res.kept_positions.append(self._positions_now())
+                    res.compaction_steps.append(f"decode:{step}")
+            next_pos = next_pos + 1
+        res.tokens = np.stack(out, axis=1)
+        res.cache_bytes = self.cache_bytes
+        return res
+
+    def _generate_dynamic(self, ids, mask, max_new, eos, forced) -> OrtGenerationResult:
+        sess = self.sessions["model"]
+        g = self.settings["graphs"]["model"]
+        B = self.batch
+        pos = positions_from_mask(mask)
+        past = {}
+        for inp in sess.get_inputs():
+            if inp.name.startswith("past_") and inp.name != "past_positions":
+                shp = list(inp.shape)
+                shp[0], shp[2] = B, 0
+                past[inp.name] = np.zeros(shp, self.dtype)
+        past_pos = np.zeros((B, 0), np.int64)
+        feeds_ids, feeds_pos = ids, pos
+        res = OrtGenerationResult(tokens=np.zeros((B, 0), np.int64), prompt_logits=np.zeros(0))
+        next_pos = pos.max(axis=1) + 1
+        done = np.zeros(B, bool)
+        out = []
+        last = None
+        step = -1
+        while True:
+            io = sess.io_binding()
+            io.bind_cpu_input("input_ids", np.ascontiguousarray(feeds_ids))
+            io.bind_cpu_input("positions", np.ascontiguousarray(feeds_pos))
+            io.bind_cpu_input("past_positions", np.ascontiguousarray(past_pos))
+            for name, v in past.items():
+                if isinstance(v, np.ndarray):
+                    io.bind_cpu_input(name, v)
+                else:
+                    io.bind_ortvalue_input(name, v)
+            for name in g["outputs"]:
+                io.bind_output(name, self.device)
+            sess.run_with_iobinding(io)
+            outs = dict(zip(g["outputs"], io.get_outputs()))
+            last = outs["logits"].numpy()
+            if step < 0:
+                res.prompt_logits = last
+            else:
+                res.step_logits.append(last)
+            past = {n.replace("present_", "past_"): outs[n] for n in g["outputs"] if n.startswith("present_k")
+                    or n.startswith("present_v")}
+            past_pos = outs["present_positions"].numpy()
+            step += 1
+            tok = self._next_token(last, step, forced, done, eos)
+            out.append(tok)
+            if step == max_new - 1 or (eos is not None and done.all()):
+                break
+            feeds_ids, feeds_pos = tok[:, None], next_pos[:, None].astype(np.int64)
+            next_pos = next_pos + 1
+        res.tokens = np.stack(out, axis=1)
+        res.cache_bytes = sum(v.numpy().nbytes for v in past.values()) if past else 0
+        return res

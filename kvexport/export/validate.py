@@ -1,0 +1,294 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Parity of an export directory against the PyTorch model it came from (same press, budgets, MLA).
+
+For each prompt batch the PyTorch reference (:func:`kvexport.export.reference.torch_generate`) runs
+greedily first; both backends are then driven with those tokens (teacher forcing), so every step's
+logits are comparable even after a disagreement. Per step we record the largest absolute logit error
+and the normwise relative error ``max|a - b| / max|b|``; greedy-token agreement is the fraction of
+steps whose onnxruntime argmax equals PyTorch's token; index agreement is the fraction of
+(compaction, layer, row, head) whose kept positions are the same set.
+
+The numeric verdict is Polygraphy's: both backends are wrapped as Polygraphy runners (``BaseRunner``
+subclasses) and ``Comparator.compare_accuracy`` with ``SimpleCompareFunc(atol, rtol)`` compares the
+stacked logits of every step. ``passed`` = Polygraphy passed and token and index agreement are 1.0.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from kvexport.errors import BadArtifact, BadUsage, ParityFailure
+
+PARITY_FILE = "parity.json"
+#: default tolerances per export dtype: (atol, rtol) on logits
+TOLERANCES = {"fp32": (1e-4, 1e-3), "fp16": (5e-2, 5e-2)}
+
+
+# ----------------------------------------------------------------------------- polygraphy runners
+def _runner_base():
+    from polygraphy.backend.base import BaseRunner
+
+    return BaseRunner
+
+
+def _metadata(batch: int):
+    from polygraphy.common import TensorMetadata
+
+    meta = TensorMetadata()
+    meta.add("input_ids", np.int64, (batch, -1))
+    meta.add("attention_mask", np.int64, (batch, -1))
+    meta.add("forced_tokens", np.int64, (batch, -1))
+    return meta
+
+
+def _outputs(res) -> OrderedDict:
+    logits = np.stack([res.prompt_logits] + res.step_logits, axis=1).astype(np.float32)  # (B, 1 + steps, V)
+    return OrderedDict(logits=logits)
+
+
+def make_runners(decoder, press, settings: dict, generator, batch: int):
+    """(PyTorch runner, onnxruntime runner) as Polygraphy runners; each keeps its last full result."""
+    from kvexport.export.reference import torch_generate
+
+    Base = _runner_base()
+
+    class TorchRunner(Base):
+        """Polygraphy runner around the PyTorch reference (a generation per feed dict)."""
+
+        def __init__(self):
+            super().__init__(name="pytorch")
+            self.last = None
+
+        def activate_impl(self):
+            pass
+
+        def deactivate_impl(self):
+            pass
+
+        def get_input_metadata_impl(self):
+            return _metadata(batch)
+
+        def infer_impl(self, feed_dict):
+            t0 = time.perf_counter()
+            f = feed_dict["forced_tokens"]
+            self.last = torch_generate(decoder, settings, feed_dict["input_ids"], feed_dict["attention_mask"],
+                                       f.shape[1], forced_tokens=f, press=press)
+            self.inference_time = time.perf_counter() - t0
+            return _outputs(self.last)
+
+    class OrtRunner(Base):
+        """Polygraphy runner around :class:`~kvexport.export.runtime.OrtGenerator`."""
+
+        def __init__(self):
+            super().__init__(name="onnxruntime")
+            self.last = None
+
+        def activate_impl(self):
+            pass
+
+        def deactivate_impl(self):
+            pass
+
+        def get_input_metadata_impl(self):
+            return _metadata(batch)
+
+        def infer_impl(self, feed_dict):
+            t0 = time.perf_counter()
+            f = feed_dict["forced_tokens"]
+            self.last = generator.generate(feed_dict["input_ids"], feed_dict["attention_mask"], f.shape[1],
+                                           forced_tokens=f)
+            self.inference_time = time.perf_counter() - t0
+            return _outputs(self.last)
+
+    return TorchRunner(), OrtRunner()
+
+
+# ----------------------------------------------------------------------------- prompts
+def default_prompt_lengths(settings: dict) -> list[int]:
+    """Below, at and above the budget, and longer than several chunks."""
+    C = int(settings["chunk"])
+    if settings.get("budgets"):
+        b = int(max(settings["budgets"]))
+        lengths = [max(1, b // 2), b, 2 * b + 3, 3 * C + 5]
+    else:
+        lengths = [max(1, C // 2), C, 3 * C + 5]
+    return sorted(set(lengths))
+
+
+def make_batches(prompts, settings: dict, tokenizer, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """prompts: None (random ids of the default lengths), lengths, token-id lists or strings ->
+    left-padded (input_ids, attention_mask) batches of the export's batch size."""
+    B = int(settings["batch"])
+    V = int(settings["vocab_size"])
+    rng = np.random.default_rng(seed)
+    if prompts is None:
+        prompts = default_prompt_lengths(settings)
+    seqs: list[list[int]] = []
+    for p in prompts:
+        if isinstance(p, (int, np.integer)):
+            seqs.append(rng.integers(3, V, size=int(p)).tolist())
+        elif isinstance(p, str):
+            if not p.strip():
+                raise BadUsage("a prompt is empty; give some text")
+            if tokenizer is None:
+                raise BadUsage("text prompts need the export's tokenizer/ directory; give token ids instead")
+            seqs.append(list(tokenizer(p, add_special_tokens=True)["input_ids"]))
+        else:
+            seqs.append([int(x) for x in p])
+        if not seqs[-1]:
+            raise BadUsage("a prompt encodes to no tokens")
+    batches = []
+    for i in range(0, len(seqs), B):
+        group = seqs[i : i + B]
+        while len(group) < B:  # fill the static batch with shorter variants of the last prompt
+            last = group[-1]
+            group.append(last[: max(1, len(last) - len(group))])
+        n = max(len(s) for s in group)
+        ids = np.array([[0] * (n - len(s)) + s for s in group], np.int64)
+        mask = np.array([[0] * (n - len(s)) + [1] * len(s) for s in group], np.int64)
+        batches.append((ids, mask))
+    return batches
+
+
+# ----------------------------------------------------------------------------- metrics
+def _kept_agreement(ref, ort) -> tuple[int, int]:
+    agree = total = 0
+    if ref.compaction_steps != ort.compaction_steps:
+        n = max(len(ref.compaction_steps), len(ort.compaction_steps))
+        return 0, max(n, 1)
+    for kr, ko in zip(ref.kept_positions, ort.kept_positions):
+        for a, b in zip(kr, ko):  # per layer (B, Hc, S)
+            for r in range(a.shape[0]):
+                for h in range(a.shape[1]):
+                    x, y = a[r, h], b[r, h]
+                    agree += int(np.array_equal(np.sort(x[x >= 0]), np.sort(y[y >= 0])))
+                    total += 1
+    return agree, total
+
+
+def load_reference_model(manifest: dict, model=None):
+    """The PyTorch model of an export: ``model`` (HF dir / model / Decoder) or the manifest's source,
+    rewritten to MLA with the same settings, in the export's dtype."""
+    from kvexport.export.exporter import resolve_decoder
+
+    s = manifest["settings"]
+    src = model if model is not None else s.get("source")
+    if src is None:
+        raise BadUsage("this export was made from an in-memory model; pass the model to validate")
+    if isinstance(src, str) and not Path(src).exists():
+        raise BadArtifact(f"the export's source model {src} no longer exists; pass the model explicitly")
+    mla = s.get("mla")
+    rank = rope = None
+    if mla is not None and mla.get("settings") is not None and not _is_decoder_mla(src):
+        rank, rope = mla["settings"].get("kv_rank"), mla["settings"].get("rope_dim")
+    dec, _, model_hash, _ = resolve_decoder(src, s["dtype"], rank, rope)
+    if model is None and model_hash != manifest.get("model_hash"):
+        raise BadArtifact(f"the source model {src} changed since the export (hash differs); re-export it")
+    return dec
+
+
+def _is_decoder_mla(src) -> bool:
+    from kvexport.export.exporter import _is_mla
+    from kvexport.models.decoder import Decoder
+
+    return isinstance(src, Decoder) and _is_mla(src)
+
+
+def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rtol: float | None = None,
+             model=None, providers=None, write: bool = True, raise_on_failure: bool = False) -> dict:
+    """Compare an export with its PyTorch model; write ``DIR/parity.json``; return the report dict.
+
+    prompts: None (random token ids at lengths below/at/above the budget and over several chunks),
+    a list of lengths, token-id lists or strings. steps: decode steps per prompt (>= 1).
+    atol/rtol: logit tolerances (default by dtype: fp32 1e-4 / 1e-3, fp16 5e-2 / 5e-2).
+    Raises :class:`ParityFailure` (exit 6) when ``raise_on_failure`` and a tolerance fails.
+    """
+    from polygraphy.comparator import Comparator, CompareFunc
+
+    from kvexport.export.exporter import press_from_dict
+    from kvexport.export.runtime import OrtGenerator
+
+    if int(steps) < 1:
+        raise BadUsage(f"--steps {steps} must be >= 1")
+    gen = OrtGenerator(path, providers=providers)
+    s = gen.settings
+    d_atol, d_rtol = TOLERANCES[s["dtype"]]
+    atol = d_atol if atol is None else float(atol)
+    rtol = d_rtol if rtol is None else float(rtol)
+    press = press_from_dict(s["press"])
+    decoder = load_reference_model(gen.manifest, model)
+    tokenizer = None
+    if s.get("tokenizer") and prompts is not None and any(isinstance(p, str) for p in prompts):
+        from kvexport.models.loading import load_tokenizer
+
+        tokenizer = load_tokenizer(Path(path) / s["tokenizer"])
+    batches = make_batches(prompts, s, tokenizer)
+    from kvexport.export.reference import torch_generate
+
+    feeds = []
+    for ids, mask in batches:
+        free = torch_generate(decoder, s, ids, mask, int(steps) + 1, press=press)
+        feeds.append(OrderedDict(input_ids=ids, attention_mask=mask, forced_tokens=free.tokens))
+    torch_runner, ort_runner = make_runners(decoder, press, s, gen, int(s["batch"]))
+    per_step_abs: list[float] = []
+    per_step_rel: list[float] = []
+    tok_agree = tok_total = idx_agree = idx_total = 0
+    poly_ok = True
+    prompt_rows = []
+    from polygraphy.logger import G_LOGGER
+
+    old = G_LOGGER.module_severity
+    G_LOGGER.module_severity = G_LOGGER.ERROR
+    try:
+        for feed in feeds:
+            results = Comparator.run([torch_runner, ort_runner], data_loader=[feed])
+            acc = Comparator.compare_accuracy(results, compare_func=CompareFunc.simple(atol=atol, rtol=rtol))
+            poly_ok = poly_ok and bool(acc)
+            ref, ort = torch_runner.last, ort_runner.last
+            a = np.stack([ref.prompt_logits] + ref.step_logits, 1).astype(np.float64)
+            b = np.stack([ort.prompt_logits] + ort.step_logits, 1).astype(np.float64)
+            err = np.abs(a - b).max(axis=(0, 2))
+            scale = np.abs(a).max(axis=(0, 2))
+            per_step_abs += err.tolist()
+            per_step_rel += (err / np.maximum(scale, 1e-12)).tolist()
+            ort_argmax = b[:, :-1].argmax(-1)  # the token chosen after each step (last step chooses nothing new)
+            forced = feed["forced_tokens"]
+            agree = ort_argmax == forced[:, : ort_argmax.shape[1]]
+            tok_agree += int(agree.sum())
+            tok_total += agree.size
+            ia, it = _kept_agreement(ref, ort)
+            idx_agree += ia
+            idx_total += it
+            prompt_rows.append({"lengths": feed["attention_mask"].sum(-1).tolist(), "compactions": ort.compactions,
+                                "max_abs_logit_error": float(err.max()), "token_agreement": float(agree.mean())})
+    finally:
+        G_LOGGER.module_severity = old
+    token_agreement = tok_agree / max(tok_total, 1)
+    index_agreement = idx_agree / idx_total if idx_total else 1.0
+    max_abs = float(max(per_step_abs)) if per_step_abs else 0.0
+    max_rel = float(max(per_step_rel)) if per_step_rel else 0.0
+    passed = bool(poly_ok and token_agreement == 1.0 and index_agreement == 1.0)
+    pair = {
+        "reference": "pytorch", "candidate": f"onnxruntime:{gen.providers[0]}",
+        "max_abs_logit_error": max_abs, "max_rel_logit_error": max_rel, "token_agreement": token_agreement,
+        "index_agreement": index_agreement, "steps": int(steps), "passed": passed, "polygraphy_passed": poly_ok,
+        "tolerances": {"atol": atol, "rtol": rtol, "token_agreement": 1.0, "index_agreement": 1.0,
+                       "compare": "polygraphy SimpleCompareFunc (elementwise) on stacked per-step logits"},
+        "per_step_max_abs_logit_error": per_step_abs, "per_step_max_rel_logit_error": per_step_rel,
+        "prompts": prompt_rows, "compared_kept_sets": idx_total,
+    }
+    report = {"export": str(Path(path).resolve()), "settings": {k: s[k] for k in ("mode", "batch", "chunk", "window",
+                                                                                  "budgets", "press", "mla", "dtype",
+                                                                                  "ops")},
+              "pairs": {"pytorch~onnxruntime": pair}}
+    if write:
+        (Path(path) / PARITY_FILE).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    if raise_on_failure and not passed:
+        raise ParityFailure(f"{path}: max abs logit error {max_abs:.3g} (atol {atol:g}), token agreement "
+                            f"{token_agreement:.3f}, index agreement {index_agreement:.3f}; see {PARITY_FILE}")
+    return report

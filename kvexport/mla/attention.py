@@ -1,0 +1,180 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Multi-head latent attention (DeepSeek-V2, 2024; upcycled from GQA as in X-EcoMLA, 2025) over a latent cache.
+
+Per token the cache holds one latent row ``[c_kv ; RoPE(k_pe)]`` of ``r_kv + d_rope`` elements, shared by
+all heads (cache_heads = 1, value_dim = 0: values are up-projected from ``c_kv = key[..., :r_kv]``).
+
+Head i (D = head_dim = d_nope + d_rope; per-head query layout ``[q_nope (d_nope) ; q_pe (d_rope)]``):
+
+    c_kv = W_DKV h                      (r_kv)          kv_a_proj, no bias
+    k_pe = W_KR h + b_KR                (d_rope)        k_rope_proj, shared by every head
+    [k_nope_i ; v_i] = W_UKV,i c_kv + b (d_nope + D)    kv_b_proj: rows per head [K-nope ; V]
+    score_ij = (q_nope_i · k_nope_ij + RoPE(q_pe_i) · RoPE(k_pe_j)) / sqrt(D)
+
+Two paths, selectable per module with ``absorb``:
+- naive (decompressed): up-project every cached latent to per-head k_nope and v, attend per head.
+- absorbed: ``q̃_i = W_UK,iᵀ q_nope_i`` so the score is ``[q̃_i ; RoPE(q_pe_i)] · [c_j ; RoPE(k_pe_j)]``; attention
+  runs over the latent directly (:func:`latent_attention`, the LatentAttention custom op of
+  docs/custom_ops.md), then ``o_i = W_UV,i Σ_j p_ij c_j + b_V,i``.
+
+Biases: the K-nope bias adds ``q_nope_i · b_K,i`` to every logit of a query, a constant the softmax
+removes, so the absorbed path drops it exactly; the V bias passes through the convex combination
+(Σ_j p_ij = 1) and is added after W_UV. Both paths are therefore equal (to rounding), and at full rank
+they reproduce the original K-nope and V exactly.
+
+RoPE: only the d_rope channels (the chosen frequency pairs of the original head, in half-split layout)
+are rotated, with the original frequencies: :attr:`rotary` rotates the last d_rope channels of a
+D-wide head (naive path), :attr:`score_rotary` the last d_rope channels of an ``r_kv + d_rope`` latent
+row (absorbed path, presses). The nope channels carry no position (partial RoPE, MHA2MLA).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvexport.mla.config import MLALayerPlan
+from kvexport.models.attention import RMSNorm, grouped_attention
+from kvexport.models.rope import Rotary
+from kvexport.models.spec import ModelSpec
+
+
+def latent_attention(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    q_positions: torch.Tensor,
+    latent_positions: torch.Tensor,
+    rank: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of the ``kvexport::LatentAttention`` custom op (docs/custom_ops.md).
+
+    q (B, Hq, T, R + Dr) absorbed queries ``[W_UK,iᵀ q_nope ; RoPE(q_pe)]``; latent (B, S, R + Dr) cache rows
+    ``[c_kv ; RoPE(k_pe)]``; q_positions (B, T), latent_positions (B, S) int64 (-1 = padding / empty).
+    Slot j is visible to query t iff ``0 <= latent_positions[j] <= q_positions[t]``; masked logits are
+    ``finfo(float32).min`` (a query that sees nothing averages uniformly); softmax in float32.
+
+    Returns out (B, Hq, T, R) = ``softmax(scale · q·latentᵀ) @ latent[..., :R]`` in q's dtype, and
+    attn_mass (B, S) float32 = the probabilities summed over heads and queries (every query, as the
+    contract states; a padding query contributes its uniform row).
+    """
+    logits = torch.einsum("bhtd,bsd->bhts", q, latent).float() * scale  # (B, Hq, T, S)
+    lp = latent_positions[:, None, None, :]  # (B, 1, 1, S)
+    visible = (lp >= 0) & (lp <= q_positions[:, None, :, None])  # (B, 1, T, S)
+    logits = logits.masked_fill(~visible, torch.finfo(torch.float32).min)
+    probs = torch.softmax(logits, dim=-1)  # (B, Hq, T, S) float32
+    out = torch.einsum("bhts,bsr->bhtr", probs.to(latent.dtype), latent[..., :rank])
+    return out.to(q.dtype), probs.sum(dim=(1, 2))
+
+
+class MLAAttention(nn.Module):
+    """MLA attention module with the decoder's attention contract (see kvexport.models.attention).
+
+    forward(h (B, T, H), positions (B, T), past_k (B, 1, S, r_kv + d_rope), past_v (B, 1, S, 0), past_pos (B, 1, S))
+    -> out (B, T, H), k_new = latent rows (B, 1, T, r_kv + d_rope) post-RoPE, v_new (B, 1, T, 0), q_pre
+    (B, Hq, T, D) = per-head ``[q_nope ; q_pe]`` before RoPE (after q_norm); :meth:`score_queries` absorbs it.
+
+    Qwen3's q_norm stays on the query path (per head, on the permuted layout, exact); its k_norm is folded
+    into the weights at rewrite time (see :func:`kvexport.mla.rewrite.rewrite_to_mla`).
+    """
+
+    def __init__(self, spec: ModelSpec, plan: MLALayerPlan, base_rotary: Rotary, absorb: bool = True):
+        super().__init__()
+        self.spec, self.plan, self.absorb = spec, plan, absorb
+        H, D, Hq = spec.hidden_size, spec.head_dim, spec.num_heads
+        self.num_heads, self.head_dim = Hq, D
+        self.kv_rank, self.rope_dim = plan.kv_rank, plan.rope_dim
+        self.nope_dim = D - self.rope_dim
+        if plan.q_rank is None:
+            self.q_proj = nn.Linear(H, Hq * D, bias=spec.qkv_bias)
+        else:
+            self.q_a_proj = nn.Linear(H, plan.q_rank, bias=False)
+            self.q_b_proj = nn.Linear(plan.q_rank, Hq * D, bias=spec.qkv_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(D, spec.rms_norm_eps)
+        self.kv_a_proj = nn.Linear(H, self.kv_rank, bias=False)
+        self.k_rope_proj = nn.Linear(H, self.rope_dim, bias=spec.qkv_bias)
+        self.kv_b_proj = nn.Linear(self.kv_rank, Hq * (self.nope_dim + D), bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(Hq * D, H, bias=spec.o_bias)
+        inv = base_rotary.inv_freq[torch.tensor(plan.rope_pairs, dtype=torch.long)]
+        self.rotary = Rotary(inv, base_rotary.scaling, offset=self.nope_dim)  # channels of a D-wide head
+        self.score_rotary = Rotary(inv, base_rotary.scaling, offset=self.kv_rank)  # channels of a latent row
+        self.scaling = D**-0.5
+
+    cache_heads = property(lambda self: 1)
+    key_dim = property(lambda self: self.kv_rank + self.rope_dim)
+    value_dim = property(lambda self: 0)
+    score_dim = property(lambda self: self.kv_rank + self.rope_dim)
+
+    # ------------------------------------------------------------------ weights viewed per head
+    def _w_ukv(self) -> torch.Tensor:
+        """(Hq, d_nope + D, r_kv)"""
+        return self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.head_dim, self.kv_rank)
+
+    def w_uk(self) -> torch.Tensor:
+        """(Hq, d_nope, r_kv): latent -> per-head no-RoPE key."""
+        return self._w_ukv()[:, : self.nope_dim]
+
+    def w_uv(self) -> torch.Tensor:
+        """(Hq, D, r_kv): latent -> per-head value."""
+        return self._w_ukv()[:, self.nope_dim :]
+
+    def b_uv(self) -> torch.Tensor | None:
+        """(Hq, D) value bias, or None."""
+        b = self.kv_b_proj.bias
+        if b is None:
+            return None
+        return b.view(self.num_heads, self.nope_dim + self.head_dim)[:, self.nope_dim :]
+
+    # ------------------------------------------------------------------ pieces
+    def queries(self, h: torch.Tensor) -> torch.Tensor:
+        """h (B, T, H) -> q_pre (B, Hq, T, D) = [q_nope ; q_pe] per head, before RoPE, after q_norm."""
+        B, T, _ = h.shape
+        q = self.q_proj(h) if self.plan.q_rank is None else self.q_b_proj(self.q_a_proj(h))
+        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        return self.q_norm(q) if self.spec.qk_norm else q
+
+    def latent(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """h (B, T, H), positions (B, T) -> cache rows (B, 1, T, r_kv + d_rope) = [c_kv ; RoPE(k_pe)]."""
+        row = torch.cat([self.kv_a_proj(h), self.k_rope_proj(h)], dim=-1)[:, None]
+        return self.score_rotary.apply(row, positions)
+
+    def score_queries(self, q_pre: torch.Tensor) -> torch.Tensor:
+        """q_pre (B, Hq, T, D) -> absorbed pre-RoPE queries (B, Hq, T, r_kv + d_rope) = [W_UK,iᵀ q_nope ; q_pe]."""
+        q_lat = torch.einsum("bhtd,hdr->bhtr", q_pre[..., : self.nope_dim], self.w_uk())
+        return torch.cat([q_lat, q_pre[..., self.nope_dim :]], dim=-1)
+
+    def decompress(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent (B, S, r_kv + d_rope) -> keys (B, Hq, S, D) = [k_nope ; RoPE(k_pe)], values (B, Hq, S, D)."""
+        B, S, _ = latent.shape
+        kv = self.kv_b_proj(latent[..., : self.kv_rank]).view(B, S, self.num_heads, self.nope_dim + self.head_dim)
+        kv = kv.transpose(1, 2)  # (B, Hq, S, d_nope + D)
+        k_pe = latent[:, None, :, self.kv_rank :].expand(B, self.num_heads, S, self.rope_dim)
+        return torch.cat([kv[..., : self.nope_dim], k_pe], dim=-1), kv[..., self.nope_dim :]
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, h, positions, past_k, past_v, past_pos):
+        """Attend over [past latent slots ; this step's tokens]; past_* may have S = 0 slots."""
+        B, T, _ = h.shape
+        q_pre = self.queries(h)
+        lat_new = self.latent(h, positions)  # (B, 1, T, R + Dr)
+        lat = torch.cat([past_k, lat_new], dim=2)[:, 0]  # (B, S, R + Dr)
+        pos = torch.cat([past_pos, positions[:, None, :]], dim=2)[:, 0]  # (B, S)
+        if self.absorb:
+            q = self.score_rotary.apply(self.score_queries(q_pre), positions)  # (B, Hq, T, R + Dr)
+            o_lat, _ = latent_attention(q, lat, positions, pos, self.kv_rank, self.scaling)  # (B, Hq, T, R)
+            out = torch.einsum("bhtr,hdr->bhtd", o_lat, self.w_uv())
+            b = self.b_uv()
+            if b is not None:
+                out = out + b[None, :, None, :]
+        else:
+            k, v = self.decompress(lat)
+            q = self.rotary.apply(q_pre, positions)
+            k_pos = pos[:, None, :].expand(B, self.num_heads, pos.shape[-1])
+            out, _ = grouped_attention(q, k, v, positions, k_pos, self.scaling)
+        out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+        return self.o_proj(out), lat_new, lat_new.new_zeros(B, 1, T, 0), q_pre
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, head_dim={self.head_dim}, r_kv={self.kv_rank}, d_rope={self.rope_dim}, "
+                f"r_q={self.plan.q_rank}, absorb={self.absorb}")

@@ -1,0 +1,142 @@
+# SPDX-License-Identifier: Apache-2.0
+"""An MLA model on disk: one directory that reloads to the same logits.
+
+Layout::
+
+    kvexport_mla.json    format, version, rewrite settings, per-layer plans, ModelSpec, the original HF config
+    model.safetensors    the Decoder's state dict (tied embeddings stored once)
+    tokenizer*.json ...  copied from the source model directory when it has one
+
+Writes go to a temporary sibling directory that is renamed into place at the end, so a failure never
+leaves a half-written model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvexport.errors import BadArtifact, BadUsage
+from kvexport.mla.attention import MLAAttention
+from kvexport.mla.config import MLALayerPlan, MLASettings
+
+MLA_CONFIG = "kvexport_mla.json"
+FORMAT = "kvexport-mla"
+VERSION = 1
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+
+
+def is_mla_dir(path: str | Path) -> bool:
+    """True when ``path`` is a directory holding a kvexport MLA config."""
+    p = Path(path)
+    return p.is_dir() and (p / MLA_CONFIG).is_file()
+
+
+def mla_config_dict(dec, hf_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    settings: MLASettings = dec.mla_settings
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "settings": settings.to_dict(),
+        "layers": [{"kv_rank": p.kv_rank, "rope_pairs": list(p.rope_pairs), "q_rank": p.q_rank} for p in dec.mla_plans],
+        "spec": dec.spec.to_dict(),
+        "dtype": str(next(dec.parameters()).dtype).removeprefix("torch."),
+        "hf_config": hf_config or getattr(dec, "hf_config", None) or {},
+    }
+
+
+def save_mla(dec, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
+             hf_config: dict[str, Any] | None = None, overwrite: bool = False) -> Path:
+    """Write an MLA Decoder (from :func:`~kvexport.mla.rewrite.rewrite_to_mla` or :func:`load_mla`) to ``out_dir``."""
+    from safetensors.torch import save_model
+
+    if not hasattr(dec, "mla_plans"):
+        raise BadUsage("this decoder is not an MLA model (rewrite it with kvexport.mla.rewrite_to_mla first)")
+    out = Path(out_dir)
+    if out.exists() and not overwrite and any(out.iterdir()):
+        raise BadUsage(f"output directory {out} exists and is not empty; choose another --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        cfg = mla_config_dict(dec, hf_config)
+        (tmp / MLA_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
+        save_model(dec, str(tmp / "model.safetensors"), metadata={"format": "pt", "kvexport": FORMAT})
+        src = Path(tokenizer_dir) if tokenizer_dir is not None else getattr(dec, "source_dir", None)
+        if src is not None:
+            for name in TOKENIZER_FILES:
+                if (Path(src) / name).is_file():
+                    shutil.copy2(Path(src) / name, tmp / name)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dec.source_dir = out
+    return out
+
+
+def read_mla_config(path: str | Path) -> dict[str, Any]:
+    p = Path(path) / MLA_CONFIG
+    try:
+        cfg = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise BadArtifact(f"{path} is not an MLA model directory (no {MLA_CONFIG})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadArtifact(f"{p} is not valid JSON ({e.__class__.__name__})") from None
+    if not isinstance(cfg, dict) or cfg.get("format") != FORMAT:
+        raise BadArtifact(f"{p} is not a kvexport MLA config (format {cfg.get('format') if isinstance(cfg, dict) else None!r})")
+    if int(cfg.get("version", 0)) > VERSION:
+        raise BadArtifact(f"{p} has MLA format version {cfg.get('version')}; this kvexport reads <= {VERSION}")
+    return cfg
+
+
+def build_mla_decoder(cfg: dict[str, Any]):
+    """An MLA Decoder with the shapes of ``cfg`` (weights uninitialised)."""
+    from kvexport.models.decoder import Decoder
+    from kvexport.models.rope import Rotary
+    from kvexport.models.spec import ModelSpec
+
+    spec = ModelSpec(**cfg["spec"])
+    settings = MLASettings(**cfg["settings"])
+    plans = [MLALayerPlan(**lp) for lp in cfg["layers"]]
+    if len(plans) != spec.num_layers:
+        raise BadArtifact(f"MLA config lists {len(plans)} layers, the model has {spec.num_layers}")
+    rotary = Rotary(torch.zeros(spec.head_dim // 2))
+    dec = Decoder(spec, rotary, attention_factory=lambda i: MLAAttention(spec, plans[i], rotary, settings.absorb))
+    dec.mla_settings, dec.mla_plans, dec.hf_config = settings, plans, cfg.get("hf_config", {})
+    return dec
+
+
+def load_mla(path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"):
+    """Directory -> MLA :class:`~kvexport.models.decoder.Decoder` in eval mode (logits identical to the saved one)."""
+    from safetensors.torch import load_model
+
+    from kvexport.models.loading import DTYPES
+
+    p = Path(path)
+    cfg = read_mla_config(p)
+    dec = build_mla_decoder(cfg)
+    weights = p / "model.safetensors"
+    if not weights.is_file():
+        raise BadArtifact(f"{p} has no model.safetensors")
+    try:
+        missing, unexpected = load_model(dec, str(weights), strict=False)
+    except Exception as e:  # noqa: BLE001 - damaged or foreign weights
+        raise BadArtifact(f"{weights} cannot be loaded: {str(e).splitlines()[0][:200]}") from None
+    if missing or unexpected:
+        raise BadArtifact(f"{weights} does not match its MLA config: missing {list(missing)[:3]}, "
+                          f"unexpected {list(unexpected)[:3]}")
+    td = DTYPES[dtype] if isinstance(dtype, str) else (dtype or getattr(torch, cfg.get("dtype", "float32")))
+    dec.to(device=device, dtype=td)
+    for m in dec.modules():  # RoPE frequencies stay fp32
+        if hasattr(m, "inv_freq"):
+            m.inv_freq.data = m.inv_freq.data.float()
+    dec.source_dir = p
+    return dec.eval()

@@ -1,0 +1,70 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Helpers the attention-based presses share: observation attention, group folding, always-kept scores.
+
+All of them are written with torch ops only (no ``.item()``, no branching on tensor values) so that a
+press's ``score`` can later be traced into an ONNX graph. Python branches are on static shapes only.
+
+Conventions (see :class:`~kvexport.presses.base.ScoreInputs`):
+- Hq query heads share Hc cache heads, ``G = Hq // Hc``; query head ``h`` reads cache head ``h // G``
+  (HF's ``repeat_kv`` layout). MLA latent caches have Hc = 1 and G = Hq.
+- The observation queries are pre-RoPE and rotated here with ``inputs.rotary.apply(q, query_positions)``.
+- Key j is visible to query t iff ``0 <= pos_k[j] <= pos_q[t]`` and the query is real (``pos_q >= 0``),
+  the same rule as :func:`kvexport.models.attention.grouped_attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvexport.presses.base import ScoreInputs
+
+
+def query_valid(inputs: ScoreInputs, last: int | None = None) -> torch.Tensor:
+    """(B, Q') bool: which observation queries are real tokens (the last ``last`` ones, or all)."""
+    qp = inputs.query_positions if last is None else inputs.query_positions[:, -last:]
+    return qp >= 0
+
+
+def visible(inputs: ScoreInputs, last: int | None = None) -> torch.Tensor:
+    """(B, Hc, Q', S) bool: candidate j visible to observation query t (causal by position, no padding)."""
+    qp = inputs.query_positions if last is None else inputs.query_positions[:, -last:]
+    kp = inputs.positions[:, :, None, :]  # (B, Hc, 1, S)
+    qq = qp[:, None, :, None]  # (B, 1, Q', 1)
+    return (kp >= 0) & (kp <= qq) & (qq >= 0)
+
+
+def observation_probs(inputs: ScoreInputs, last: int | None = None) -> torch.Tensor:
+    """Softmax attention of the (last ``last``) observation queries over all candidates.
+
+    -> probs (B, Hc, G, Q', S) float32; rows of padding queries are all zero.
+    """
+    q = inputs.queries if last is None else inputs.queries[:, :, -last:]
+    qp = inputs.query_positions if last is None else inputs.query_positions[:, -last:]
+    q = inputs.rotary.apply(q, qp)  # RoPE at the queries' true positions
+    B, Hq, Q, D = q.shape
+    k = inputs.keys
+    Hc, S = k.shape[1], k.shape[2]
+    G = Hq // Hc
+    logits = torch.matmul(q.reshape(B, Hc, G * Q, D).float(), k.float().transpose(-1, -2))
+    logits = logits.reshape(B, Hc, G, Q, S) * inputs.scaling
+    vis = visible(inputs, last)[:, :, None]  # (B, Hc, 1, Q', S)
+    logits = logits.masked_fill(~vis, torch.finfo(torch.float32).min)
+    probs = torch.softmax(logits, dim=-1)
+    return probs * vis.any(-1, keepdim=True).float()  # a query that sees nothing contributes nothing
+
+
+def keep_always(scores: torch.Tensor, keep: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Give ``keep`` candidates (bool, broadcastable to scores) a score above every valid one.
+
+    The tensor form of kvpress's ``F.pad(scores, ..., value=scores.max().item() + 1)``: the maximum is
+    taken over valid candidates only (empty / padding slots may hold any value).
+    """
+    top = scores.masked_fill(~valid, float("-inf")).amax() + 1.0
+    return torch.where(keep, top, scores)
+
+
+def last_candidates(inputs: ScoreInputs, n: int) -> torch.Tensor:
+    """(1, 1, S) bool: the last ``n`` candidate slots (the observation tokens at prefill and decode)."""
+    S = inputs.keys.shape[2]
+    idx = torch.arange(S, device=inputs.keys.device)
+    return (idx >= S - n)[None, None, :]

@@ -1,0 +1,168 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``kvexport profile DIR``: profile the converted model and its uncompressed baseline on one backend.
+
+Reads the settings of DIR (convert.json, else the export's manifest), builds one runner for the
+converted model and one for the baseline (full cache: ``DIR/baseline`` on onnxruntime/TensorRT, the
+original model without a press on PyTorch), profiles both at each context and writes
+``DIR/profile.json``. Contexts past the model's position range are skipped and listed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from kvexport.convert import layout
+from kvexport.errors import BadArtifact, BadUsage
+from kvexport.profile.kv_bytes import CacheShape, cache_table, full_cache_of
+from kvexport.profile.profiler import environment, profile_runner
+
+BACKENDS = ("onnxruntime", "tensorrt", "pytorch")
+PROFILE_VERSION = 1
+
+
+def dir_settings(d: Path) -> dict[str, Any]:
+    """Settings of a convert directory (convert.json) or of a plain export directory (manifest.json)."""
+    conv = layout.read_convert_json(d)
+    if conv is not None:
+        return dict(conv["settings"])
+    man = layout.read_manifest(d)
+    if man is None:
+        raise BadArtifact(f"{d} has neither convert.json nor an export manifest.json: give a directory made by "
+                          "`kvexport convert` or `kvexport export`")
+    s = dict(man.get("settings") or {})
+    s.setdefault("model", man.get("model") or man.get("source_model"))
+    return s
+
+
+def model_spec(model_path: str | Path):
+    """ModelSpec of an HF model directory or an MLA directory, from its config only."""
+    from kvexport.mla.io import is_mla_dir, read_mla_config
+    from kvexport.models.spec import ModelSpec
+
+    p = Path(model_path)
+    if is_mla_dir(p):
+        return ModelSpec(**read_mla_config(p)["spec"])
+    from transformers import AutoConfig
+
+    try:
+        return ModelSpec.from_hf_config(AutoConfig.from_pretrained(str(p)))
+    except OSError as e:
+        raise BadArtifact(f"the model {p} this directory was made from cannot be read: {str(e)[:160]}") from None
+
+
+def cache_shape_of(d: Path, settings: dict[str, Any], spec) -> CacheShape:
+    """The converted cache: MLA ranks from DIR/mla (or the settings), press budget + window, dtype."""
+    from kvexport.mla.io import is_mla_dir, read_mla_config
+
+    ranks = None
+    rope = 0
+    mla_dir = Path(d) / layout.MLA_DIR
+    if is_mla_dir(mla_dir):
+        cfg = read_mla_config(mla_dir)
+        ranks = tuple(int(layer["kv_rank"]) for layer in cfg["layers"])
+        rope = 2 * len(cfg["layers"][0].get("rope_pairs", [])) or int(cfg["settings"].get("rope_dim", 0))
+    elif settings.get("mla_rank"):
+        ranks = (int(settings["mla_rank"]),) * spec.num_layers
+        rope = int(settings.get("rope_dim") or 0)
+    press = settings.get("press")
+    budget = int(settings["budget"]) if press not in (None, "none") and settings.get("budget") else None
+    window = int(settings.get("window") or 0) if budget else 0
+    return CacheShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, ranks, rope, budget, window,
+                      2 if settings.get("fp16") else 4)
+
+
+def _pytorch_runners(d: Path, settings: dict[str, Any], shape: CacheShape, max_tokens: int, with_baseline: bool):
+    from kvexport.mla.io import is_mla_dir, load_mla
+    from kvexport.models.loading import load_decoder
+    from kvexport.presses import make_press
+    from kvexport.profile.runners import PyTorchRunner
+
+    model = settings.get("model")
+    if not model:
+        raise BadArtifact(f"{d}: the settings do not name the source model")
+    dtype = "fp16" if settings.get("fp16") else "fp32"
+    chunk = int(settings.get("chunk") or 512)
+    press = None
+    if settings.get("press") not in (None, "none"):
+        press = make_press(settings["press"], budget=int(settings["budget"]))
+    mla_dir = d / layout.MLA_DIR
+    weights = sorted(Path(model).glob("*.safetensors"))
+    if is_mla_dir(mla_dir):
+        conv_dec = load_mla(mla_dir, dtype)
+        conv_files = sorted(mla_dir.glob("*.safetensors"))
+    else:
+        conv_dec, _ = load_decoder(model, dtype)
+        conv_files = weights
+    runners = {"converted": PyTorchRunner(conv_dec, press, settings.get("budget"), int(settings.get("window") or 32),
+                                          chunk, max_tokens, conv_files, shape)}
+    if with_baseline:
+        base_dec, _ = load_decoder(model, dtype)
+        runners["baseline"] = PyTorchRunner(base_dec, None, None, 1, chunk, max_tokens, weights, full_cache_of(shape))
+    return runners
+
+
+def _onnx_runners(d: Path, shape: CacheShape, with_baseline: bool, backend: str):
+    from kvexport.profile.runners import OrtRunner, TensorRTRunner
+
+    cls = OrtRunner if backend == "onnxruntime" else TensorRTRunner
+    exp = layout.export_dir_of(d)
+    if backend == "tensorrt" and (d / layout.ENGINE_DIR).is_dir():
+        exp = d / layout.ENGINE_DIR
+    runners = {"converted": cls(exp, shape)}
+    base = d / layout.BASELINE_DIR
+    if with_baseline and base.is_dir():
+        runners["baseline"] = cls(base, full_cache_of(shape))
+    return runners
+
+
+def profile_dir(d: str | Path, backend: str = "onnxruntime", contexts: list[int] | None = None,
+                decode_steps: int = 16, baseline: bool = True, seed: int = 0, write: bool = True) -> dict[str, Any]:
+    """Profile DIR (see the module docstring); -> the profile dictionary, also written to DIR/profile.json."""
+    d = Path(d)
+    if backend not in BACKENDS:
+        raise BadUsage(f"--backend {backend!r} is not one of: {', '.join(BACKENDS)}")
+    if decode_steps < 1:
+        raise BadUsage(f"--decode-steps {decode_steps} must be >= 1")
+    if not d.is_dir():
+        raise BadArtifact(f"{d} is not a directory made by kvexport convert or kvexport export")
+    settings = dir_settings(d)
+    contexts = sorted(set(contexts or settings.get("contexts") or [512, 2048, 8192]))
+    mla_dir = d / layout.MLA_DIR
+    spec = model_spec(mla_dir if (mla_dir / "kvexport_mla.json").is_file() else settings["model"])
+    max_pos = int(spec.max_position_embeddings)
+    keep = [c for c in contexts if c + decode_steps <= max_pos]
+    skipped = [{"context": c, "reason": f"past the model's {max_pos} positions"} for c in contexts if c not in keep]
+    if not keep:
+        raise BadUsage(f"every context in {contexts} (+{decode_steps} decode steps) is past the model's "
+                       f"{max_pos} positions")
+    shape = cache_shape_of(d, settings, spec)
+    if backend == "pytorch":
+        runners = _pytorch_runners(d, settings, shape, max(keep) + decode_steps, baseline)
+    else:
+        runners = _onnx_runners(d, shape, baseline, backend)
+    t0 = time.perf_counter()
+    variants = {}
+    for name, runner in runners.items():
+        variants[name] = profile_runner(runner, keep, decode_steps, spec.vocab_size, seed)
+    result = {
+        "version": PROFILE_VERSION,
+        "backend": backend,
+        "decode_steps": decode_steps,
+        "contexts": keep,
+        "skipped_contexts": skipped,
+        "cache": cache_table(shape, keep),
+        "variants": variants,
+        "environment": environment(),
+        "seconds": time.perf_counter() - t0,
+    }
+    if write:
+        tmp = d / (layout.PROFILE_JSON + ".tmp")
+        tmp.write_text(json.dumps(result, indent=2))
+        tmp.replace(d / layout.PROFILE_JSON)
+    return result
+
+
+__all__ = ["profile_dir", "dir_settings", "cache_shape_of", "model_spec", "BACKENDS"]

@@ -1,0 +1,55 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The conversion report: ``report.html`` (self-contained, figures embedded), ``report.md`` (+ ``plots/*.png``)
+and ``report.json``, made from what a converted directory holds. ``kvexport report DIR`` regenerates them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvexport.report.collect import collect, normalize_parity
+from kvexport.report.plots import make_plots
+from kvexport.report.render import render_html, render_md, verdict_text
+
+REPORT_FILES = ("report.html", "report.md", "report.json")
+
+
+def write_report(out_dir: str | Path) -> dict[str, Any]:
+    """Collect ``out_dir`` and write report.html, report.md, report.json and plots/*.png into it.
+
+    Returns the report dictionary (with ``files``: what was written). Each file is written to a
+    temporary name and renamed, so a failed run never leaves half a report.
+    """
+    d = Path(out_dir)
+    rep = collect(d)
+    plots = make_plots(rep.get("profile"))
+    written = []
+    plot_dir = d / "plots"
+    plot_files = {}
+    if plots:
+        plot_dir.mkdir(exist_ok=True)
+        for stem, (caption, png) in plots.items():
+            _atomic_write(plot_dir / f"{stem}.png", png)
+            plot_files[stem] = (caption, f"plots/{stem}.png")
+            written.append(f"plots/{stem}.png")
+    rep["plots"] = {k: v[1] for k, v in plot_files.items()}
+    rep["verdict"] = verdict_text(rep.get("parity"))
+    _atomic_write(d / "report.html", render_html(rep, plots).encode("utf-8"))
+    _atomic_write(d / "report.md", render_md(rep, plot_files).encode("utf-8"))
+    written += ["report.html", "report.md", "report.json"]
+    rep["files"] = written
+    public = {k: v for k, v in rep.items() if k != "parity"}
+    if rep.get("parity") is not None:
+        public["parity"] = {k: v for k, v in rep["parity"].items() if k != "raw"}
+    _atomic_write(d / "report.json", json.dumps(public, indent=2, default=str).encode("utf-8"))
+    return rep
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+__all__ = ["write_report", "collect", "normalize_parity", "make_plots", "render_html", "render_md", "REPORT_FILES"]

@@ -1,0 +1,142 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The report's figures (matplotlib, Agg): decode latency, memory and prefill time against context,
+the converted model beside the uncompressed baseline. Each function returns PNG bytes or None when the
+profile lacks the data."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+COLORS = {"converted": "#1f77b4", "baseline": "#7f7f7f"}
+LABELS = {"converted": "converted (kvexport)", "baseline": "baseline (full cache)"}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight", metadata={"Software": None})
+    _plt().close(fig)
+    return buf.getvalue()
+
+
+def _variants(profile: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    out = {}
+    for name, v in (profile.get("variants") or {}).items():
+        rows = [r for r in (v or {}).get("contexts", []) if isinstance(r, dict)]
+        if rows:
+            out[name] = sorted(rows, key=lambda r: r["context"])
+    return out
+
+
+def _axes(title: str, ylabel: str, logy: bool = False):
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.0, 3.6))
+    ax.set_title(title, fontsize=11)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    return fig, ax
+
+
+def decode_latency_plot(profile: dict[str, Any]) -> bytes | None:
+    """Per-token decode latency p50 (line) with the p50–p90 band, per variant."""
+    vs = _variants(profile)
+    if not vs:
+        return None
+    fig, ax = _axes("Decode latency per token", "ms / token (p50, band to p90)")
+    for name, rows in vs.items():
+        x = [r["context"] for r in rows]
+        p50 = [r["decode_ms_p50"] for r in rows]
+        p90 = [r["decode_ms_p90"] for r in rows]
+        c = COLORS.get(name)
+        ax.plot(x, p50, "o-", color=c, label=LABELS.get(name, name))
+        ax.fill_between(x, p50, p90, color=c, alpha=0.2)
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    return _png(fig)
+
+
+def memory_plot(profile: dict[str, Any]) -> bytes | None:
+    """KV-cache bytes per sequence (analytic, solid) and measured peak RSS (dashed), per variant."""
+    vs = _variants(profile)
+    cache = profile.get("cache") or {}
+    if not vs and not cache.get("contexts"):
+        return None
+    fig, ax = _axes("Memory per sequence", "MiB (log)", logy=True)
+    mib = 1024.0 * 1024.0
+    rows = cache.get("contexts") or []
+    if rows:
+        x = [r["context"] for r in rows]
+        ax.plot(x, [r["kv_bytes"] / mib for r in rows], "o-", color=COLORS["converted"],
+                label="KV cache, converted")
+        ax.plot(x, [r["baseline_kv_bytes"] / mib for r in rows], "o-", color=COLORS["baseline"],
+                label="KV cache, baseline")
+    for name, vrows in vs.items():
+        if all("peak_rss_bytes" in r for r in vrows):
+            ax.plot([r["context"] for r in vrows], [r["peak_rss_bytes"] / mib for r in vrows], "s--",
+                    color=COLORS.get(name), alpha=0.8, label=f"process peak RSS, {name}")
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def prefill_plot(profile: dict[str, Any]) -> bytes | None:
+    """Time to first token (= prefill of the whole prompt) per variant."""
+    vs = _variants(profile)
+    if not vs:
+        return None
+    fig, ax = _axes("Time to first token (prefill)", "seconds (log)", logy=True)
+    for name, rows in vs.items():
+        ax.plot([r["context"] for r in rows], [max(r["ttft_s"], 1e-6) for r in rows], "o-",
+                color=COLORS.get(name), label=LABELS.get(name, name))
+    ax.legend()
+    return _png(fig)
+
+
+def throughput_plot(profile: dict[str, Any]) -> bytes | None:
+    """Decode tokens/s per variant."""
+    vs = _variants(profile)
+    if not vs:
+        return None
+    fig, ax = _axes("Decode throughput", "tokens / s")
+    for name, rows in vs.items():
+        ax.plot([r["context"] for r in rows], [r["tokens_per_s"] or 0 for r in rows], "o-",
+                color=COLORS.get(name), label=LABELS.get(name, name))
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    return _png(fig)
+
+
+#: file stem -> (caption, function)
+PLOTS = {
+    "decode_latency": ("Decode latency per token against context length, converted vs baseline", decode_latency_plot),
+    "memory": ("KV-cache bytes and measured process memory against context length", memory_plot),
+    "prefill": ("Time to first token against prompt length", prefill_plot),
+    "throughput": ("Decode tokens per second against context length", throughput_plot),
+}
+
+
+def make_plots(profile: dict[str, Any] | None) -> dict[str, tuple[str, bytes]]:
+    """-> {stem: (caption, png bytes)} for every plot the profile has data for."""
+    if not profile:
+        return {}
+    out = {}
+    for stem, (caption, fn) in PLOTS.items():
+        png = fn(profile)
+        if png:
+            out[stem] = (caption, png)
+    return out
+
+
+__all__ = ["make_plots", "PLOTS", "decode_latency_plot", "memory_plot", "prefill_plot", "throughput_plot"]

@@ -1,0 +1,344 @@
+// SPDX-License-Identifier: Apache-2.0
+// LatentAttention plugin: shapes, formats and workspace for the builder, the kernel launch for the runtime. Every
+// interface method is noexcept and turns exceptions into a logged error and a failure code.
+#include "latentAttentionPlugin.h"
+
+#include "../common/pluginUtils.h"
+#include "latentAttentionKernel.h"
+
+#include <cmath>
+#include <exception>
+#include <memory>
+#include <string>
+
+using namespace nvinfer1;
+
+namespace kvexport
+{
+
+namespace
+{
+int32_t fail(std::exception const& e) noexcept
+{
+    logError(LatentAttentionPlugin::kNAME, e.what());
+    return -1;
+}
+} // namespace
+
+LatentAttentionPlugin::LatentAttentionPlugin(int32_t rank, float scale)
+    : mRank(rank)
+    , mScale(scale)
+{
+    require(rank >= 1 && rank <= kLatentAttentionMaxRank,
+        "attribute rank = " + std::to_string(rank) + " is outside [1, " + std::to_string(kLatentAttentionMaxRank) + "]");
+    require(std::isfinite(scale) && scale > 0.0F, "attribute scale must be a positive finite float");
+}
+
+IPluginCapability* LatentAttentionPlugin::getCapabilityInterface(PluginCapabilityType type) noexcept
+{
+    switch (type)
+    {
+    case PluginCapabilityType::kCORE: return static_cast<IPluginV3OneCore*>(this);
+    case PluginCapabilityType::kBUILD: return static_cast<IPluginV3OneBuild*>(this);
+    case PluginCapabilityType::kRUNTIME: return static_cast<IPluginV3OneRuntime*>(this);
+    }
+    return nullptr;
+}
+
+IPluginV3* LatentAttentionPlugin::clone() noexcept
+{
+    try
+    {
+        return std::make_unique<LatentAttentionPlugin>(*this).release();
+    }
+    catch (std::exception const& e)
+    {
+        fail(e);
+    }
+    return nullptr;
+}
+
+char const* LatentAttentionPlugin::getPluginName() const noexcept
+{
+    return kNAME;
+}
+
+char const* LatentAttentionPlugin::getPluginVersion() const noexcept
+{
+    return kPLUGIN_VERSION;
+}
+
+char const* LatentAttentionPlugin::getPluginNamespace() const noexcept
+{
+    return kPLUGIN_NAMESPACE;
+}
+
+int32_t LatentAttentionPlugin::getNbOutputs() const noexcept
+{
+    return kNB_OUTPUTS;
+}
+
+int32_t LatentAttentionPlugin::getOutputDataTypes(
+    DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes, int32_t nbInputs) const noexcept
+{
+    try
+    {
+        require(nbInputs == kNB_INPUTS && nbOutputs == kNB_OUTPUTS, "LatentAttention takes 4 inputs, has 2 outputs");
+        outputTypes[kOUT_OUT] = inputTypes[kIN_Q];
+        outputTypes[kOUT_ATTN_MASS] = DataType::kFLOAT;
+        return 0;
+    }
+    catch (std::exception const& e)
+    {
+        return fail(e);
+    }
+}
+
+int32_t LatentAttentionPlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbInputs,
+    DimsExprs const* /*shapeInputs*/, int32_t /*nbShapeInputs*/, DimsExprs* outputs, int32_t nbOutputs,
+    IExprBuilder& exprBuilder) noexcept
+{
+    try
+    {
+        require(nbInputs == kNB_INPUTS && nbOutputs == kNB_OUTPUTS, "LatentAttention takes 4 inputs, has 2 outputs");
+        DimsExprs const& q = inputs[kIN_Q];
+        DimsExprs const& latent = inputs[kIN_LATENT];
+        require(q.nbDims == 4, "q must be (B, Hq, T, R + Dr)");
+        require(latent.nbDims == 3, "latent must be (B, S, R + Dr)");
+        require(inputs[kIN_Q_POSITIONS].nbDims == 2, "q_positions must be (B, T)");
+        require(inputs[kIN_LATENT_POSITIONS].nbDims == 2, "latent_positions must be (B, S)");
+        if (q.d[3]->isConstant())
+        {
+            int64_t const d = q.d[3]->getConstantValue();
+            require(d >= mRank && d <= kLatentAttentionMaxDim,
+                "the latent width R + Dr = " + std::to_string(d) + " must be in [rank, "
+                    + std::to_string(kLatentAttentionMaxDim) + "]");
+        }
+        outputs[kOUT_OUT].nbDims = 4;
+        outputs[kOUT_OUT].d[0] = q.d[0];
+        outputs[kOUT_OUT].d[1] = q.d[1];
+        outputs[kOUT_OUT].d[2] = q.d[2];
+        outputs[kOUT_OUT].d[3] = exprBuilder.constant(mRank);
+        outputs[kOUT_ATTN_MASS].nbDims = 2;
+        outputs[kOUT_ATTN_MASS].d[0] = latent.d[0];
+        outputs[kOUT_ATTN_MASS].d[1] = latent.d[1];
+        return 0;
+    }
+    catch (std::exception const& e)
+    {
+        return fail(e);
+    }
+}
+
+bool LatentAttentionPlugin::supportsFormatCombination(
+    int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
+{
+    if (nbInputs != kNB_INPUTS || nbOutputs != kNB_OUTPUTS || pos < 0 || pos >= nbInputs + nbOutputs)
+    {
+        return false;
+    }
+    PluginTensorDesc const& d = inOut[pos].desc;
+    if (!isLinear(d))
+    {
+        return false;
+    }
+    DataType const qType = inOut[kIN_Q].desc.type;
+    switch (pos)
+    {
+    case kIN_Q: return isFloatType(d.type);
+    case kIN_LATENT: return d.type == qType;
+    case kIN_Q_POSITIONS: return d.type == DataType::kINT64;
+    case kIN_LATENT_POSITIONS: return d.type == DataType::kINT64;
+    case kNB_INPUTS + kOUT_OUT: return d.type == qType;
+    default: return d.type == DataType::kFLOAT; // attn_mass
+    }
+}
+
+int32_t LatentAttentionPlugin::configurePlugin(
+    DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept
+{
+    try
+    {
+        require(nbInputs == kNB_INPUTS && nbOutputs == kNB_OUTPUTS, "LatentAttention takes 4 inputs, has 2 outputs");
+        int64_t const d = in[kIN_Q].desc.dims.d[3];
+        int64_t const dl = in[kIN_LATENT].desc.dims.d[2];
+        require(d < 0 || dl < 0 || d == dl, "q and latent must have the same last dimension R + Dr");
+        return 0;
+    }
+    catch (std::exception const& e)
+    {
+        return fail(e);
+    }
+}
+
+size_t LatentAttentionPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
+    DynamicPluginTensorDesc const* /*outputs*/, int32_t /*nbOutputs*/) const noexcept
+{
+    if (nbInputs != kNB_INPUTS)
+    {
+        return 0;
+    }
+    Dims const& q = inputs[kIN_Q].max;         // (B, Hq, T, D) at the profile's maximum
+    Dims const& latent = inputs[kIN_LATENT].max; // (B, S, D)
+    return latentAttentionWorkspaceSize(static_cast<int32_t>(q.d[0]), static_cast<int32_t>(q.d[1]),
+        static_cast<int32_t>(q.d[2]), static_cast<int32_t>(latent.d[1]), mRank);
+}
+
+void LatentAttentionPlugin::checkShapes(PluginTensorDesc const* in, int32_t nbInputs) const
+{
+    require(nbInputs == kNB_INPUTS, "LatentAttention takes 4 inputs");
+    Dims const& q = in[kIN_Q].dims;
+    Dims const& latent = in[kIN_LATENT].dims;
+    require(q.nbDims == 4 && latent.nbDims == 3, "q must be (B, Hq, T, D) and latent (B, S, D)");
+    require(latent.d[0] == q.d[0] && latent.d[2] == q.d[3], "latent must be (B, S, D) with q's B and D");
+    require(q.d[3] >= mRank, "the latent width D must be >= rank");
+    Dims const& qp = in[kIN_Q_POSITIONS].dims;
+    Dims const& lp = in[kIN_LATENT_POSITIONS].dims;
+    require(qp.nbDims == 2 && qp.d[0] == q.d[0] && qp.d[1] == q.d[2], "q_positions must be (B, T)");
+    require(lp.nbDims == 2 && lp.d[0] == q.d[0] && lp.d[1] == latent.d[1], "latent_positions must be (B, S)");
+}
+
+int32_t LatentAttentionPlugin::onShapeChange(
+    PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* /*out*/, int32_t /*nbOutputs*/) noexcept
+{
+    try
+    {
+        checkShapes(in, nbInputs);
+        return 0;
+    }
+    catch (std::exception const& e)
+    {
+        return fail(e);
+    }
+}
+
+void LatentAttentionPlugin::doEnqueue(PluginTensorDesc const* inputDesc, void const* const* inputs,
+    void* const* outputs, void* workspace, cudaStream_t stream) const
+{
+    Dims const& q = inputDesc[kIN_Q].dims;
+    LatentAttentionParams p{};
+    p.dataType = kvxDType(inputDesc[kIN_Q].type);
+    p.q = inputs[kIN_Q];
+    p.latent = inputs[kIN_LATENT];
+    p.qPositions = static_cast<int64_t const*>(inputs[kIN_Q_POSITIONS]);
+    p.latentPositions = static_cast<int64_t const*>(inputs[kIN_LATENT_POSITIONS]);
+    p.batch = static_cast<int32_t>(q.d[0]);
+    p.heads = static_cast<int32_t>(q.d[1]);
+    p.queries = static_cast<int32_t>(q.d[2]);
+    p.slots = static_cast<int32_t>(inputDesc[kIN_LATENT].dims.d[1]);
+    p.dim = static_cast<int32_t>(q.d[3]);
+    p.rank = mRank;
+    p.scale = mScale;
+    p.out = outputs[kOUT_OUT];
+    p.attnMass = static_cast<float*>(outputs[kOUT_ATTN_MASS]);
+    p.workspace = workspace;
+    p.workspaceSize = latentAttentionWorkspaceSize(p.batch, p.heads, p.queries, p.slots, p.rank);
+    cudaError_t const e = launchLatentAttention(p, stream);
+    require(e == cudaSuccess, std::string("kernel launch failed: ") + cudaGetErrorString(e));
+}
+
+int32_t LatentAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const* /*outputDesc*/,
+    void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept
+{
+    try
+    {
+        doEnqueue(inputDesc, inputs, outputs, workspace, stream);
+        return 0;
+    }
+    catch (std::exception const& e)
+    {
+        return fail(e);
+    }
+}
+
+IPluginV3* LatentAttentionPlugin::attachToContext(IPluginResourceContext* /*context*/) noexcept
+{
+    return clone();
+}
+
+PluginFieldCollection const* LatentAttentionPlugin::getFieldsToSerialize() noexcept
+{
+    mSerialFields.clear();
+    mSerialFields.emplace_back("rank", &mRank, PluginFieldType::kINT32, 1);
+    mSerialFields.emplace_back("scale", &mScale, PluginFieldType::kFLOAT32, 1);
+    mSerialFc.nbFields = static_cast<int32_t>(mSerialFields.size());
+    mSerialFc.fields = mSerialFields.data();
+    return &mSerialFc;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Creator
+
+LatentAttentionPluginCreator::LatentAttentionPluginCreator()
+{
+    mFields.emplace_back("rank", nullptr, PluginFieldType::kINT32, 1);
+    mFields.emplace_back("scale", nullptr, PluginFieldType::kFLOAT32, 1);
+    mFc.nbFields = static_cast<int32_t>(mFields.size());
+    mFc.fields = mFields.data();
+}
+
+char const* LatentAttentionPluginCreator::getPluginName() const noexcept
+{
+    return LatentAttentionPlugin::kNAME;
+}
+
+char const* LatentAttentionPluginCreator::getPluginVersion() const noexcept
+{
+    return kPLUGIN_VERSION;
+}
+
+char const* LatentAttentionPluginCreator::getPluginNamespace() const noexcept
+{
+    return kPLUGIN_NAMESPACE;
+}
+
+PluginFieldCollection const* LatentAttentionPluginCreator::getFieldNames() noexcept
+{
+    return &mFc;
+}
+
+LatentAttentionAttributes LatentAttentionPluginCreator::parse(PluginFieldCollection const* fc)
+{
+    require(fc != nullptr, "no attributes given; LatentAttention needs rank and scale");
+    bool haveRank = false;
+    bool haveScale = false;
+    LatentAttentionAttributes a{0, 0.0F};
+    for (int32_t i = 0; i < fc->nbFields; ++i)
+    {
+        PluginField const& f = fc->fields[i];
+        if (fieldIs(f, "rank"))
+        {
+            int64_t const r = fieldInt(f);
+            require(r >= 1 && r <= kLatentAttentionMaxRank, "attribute rank = " + std::to_string(r)
+                    + " is outside [1, " + std::to_string(kLatentAttentionMaxRank) + "]");
+            a.rank = static_cast<int32_t>(r);
+            haveRank = true;
+        }
+        else if (fieldIs(f, "scale"))
+        {
+            a.scale = fieldFloat(f);
+            require(std::isfinite(a.scale) && a.scale > 0.0F, "attribute scale must be a positive finite float");
+            haveScale = true;
+        }
+    }
+    require(haveRank, "attribute rank is missing (the latent value width R)");
+    require(haveScale, "attribute scale is missing (the softmax scale, 1/sqrt(d_nope + d_rope))");
+    return a;
+}
+
+IPluginV3* LatentAttentionPluginCreator::createPlugin(
+    char const* /*name*/, PluginFieldCollection const* fc, TensorRTPhase /*phase*/) noexcept
+{
+    try
+    {
+        LatentAttentionAttributes const a = parse(fc);
+        return std::make_unique<LatentAttentionPlugin>(a.rank, a.scale).release();
+    }
+    catch (std::exception const& e)
+    {
+        fail(e);
+    }
+    return nullptr;
+}
+
+} // namespace kvexport

@@ -1,0 +1,382 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Train kvexport's reference models (student, teacher-2x, teacher-4x) on the Python standard library.
+
+Data: every ``*.py`` file under the interpreter's stdlib directory (``sysconfig.get_paths()["stdlib"]``),
+skipping ``site-packages``, test folders (``test``, ``tests``, ``idle_test``) and ``pydoc_data`` (prose),
+in sorted order. A file is held out when the first byte of ``sha256(relative_path)`` is < 13 (≈5 %).
+Tokenizer: byte-level BPE (``tokenizers``), vocab 4096, trained on the train split only.
+Models: ``LlamaForCausalLM`` with GQA and RoPE (theta 1e5, 32768 positions), tied embeddings.
+Training: AdamW, linear warm-up + cosine decay, random windows of 256 tokens from the concatenated
+train stream (each file wrapped in <|bos|> ... <|eos|>), fixed seeds, ``torch.set_num_threads(2)``.
+
+Usage::
+
+    python scripts/train_reference.py --size student      # ~20 min on 2 CPU cores
+    python scripts/train_reference.py --all               # tokenizer + all three models
+    python scripts/train_reference.py --plot              # redraw docs/reference_models_loss.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import platform
+import shutil
+import sys
+import sysconfig
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "models"
+TOKENIZER_DIR = MODELS / "tokenizer"
+DOCS = ROOT / "docs"
+CACHE = Path("/tmp/kvx_train_cache")
+EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test", "pydoc_data", "__pycache__"}
+HELDOUT_BYTE = 13  # held out iff sha256(relpath)[0] < 13  (13/256 ≈ 5.1 %)
+VOCAB = 4096
+SPECIALS = ["<|bos|>", "<|eos|>", "<|pad|>"]
+SEQ = 256
+SEED = 1234
+
+
+@dataclass
+class Size:
+    """Architecture and training budget of one reference model."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    steps: int
+    batch: int = 16
+    lr: float = 3e-3
+    warmup: int = 100
+    storage_dtype: str = "float32"  # dtype of the tensors in model.safetensors
+    head_dim: int = 32
+
+
+SIZES = {
+    "student": Size("kvx-student", hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384, steps=1600),
+    "teacher-2x": Size("kvx-teacher-2x", hidden=192, layers=4, heads=6, kv_heads=2, intermediate=640, steps=1200,
+                       lr=2.5e-3),
+    # fp32 would be 21 MB; weights are stored in float16 to stay under 15 MB (they load as float32).
+    "teacher-4x": Size("kvx-teacher-4x", hidden=256, layers=6, heads=8, kv_heads=2, intermediate=704, steps=900,
+                       lr=2e-3, storage_dtype="float16"),
+}
+
+
+# ----------------------------------------------------------------------------------------------- data
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def corpus_files() -> tuple[list[str], list[str]]:
+    """-> (train, held-out) lists of stdlib-relative POSIX paths, sorted."""
+    root = stdlib_root()
+    rels = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")
+                  if not EXCLUDED_DIRS.intersection(p.relative_to(root).parts))
+    train, held = [], []
+    for r in rels:
+        (held if hashlib.sha256(r.encode()).digest()[0] < HELDOUT_BYTE else train).append(r)
+    return train, held
+
+
+def read_text(rel: str) -> str | None:
+    try:
+        return (stdlib_root() / rel).read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return None
+
+
+def train_tokenizer(out: Path = TOKENIZER_DIR) -> None:
+    """Byte-level BPE on the train split; writes tokenizer.json + tokenizer_config.json (+ special map)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    train, _ = corpus_files()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, min_frequency=2, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    texts = [t for t in (read_text(r) for r in train) if t is not None]
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    # add_special_tokens=True prepends <|bos|>, as every training document starts with it
+    bos = tok.token_to_id("<|bos|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B",
+                                                       special_tokens=[("<|bos|>", bos)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
+                                   pad_token="<|pad|>", model_max_length=32768, clean_up_tokenization_spaces=False)
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out))
+
+
+def load_tokenizer(path: Path = TOKENIZER_DIR):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def encode_split(files: list[str], tok) -> np.ndarray:
+    """Concatenate <|bos|> file <|eos|> for every file -> uint16 token stream."""
+    out: list[int] = []
+    for r in files:
+        text = read_text(r)
+        if text is None:
+            continue
+        out += [tok.bos_token_id, *tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+    return np.asarray(out, dtype=np.uint16)
+
+
+def token_streams(tok) -> tuple[np.ndarray, np.ndarray]:
+    """(train, held-out) token streams, cached under /tmp by tokenizer hash."""
+    h = hashlib.sha256((TOKENIZER_DIR / "tokenizer.json").read_bytes()).hexdigest()[:12]
+    CACHE.mkdir(parents=True, exist_ok=True)
+    f = CACHE / f"streams_{h}_{platform.python_version()}.npz"
+    if f.exists():
+        z = np.load(f)
+        return z["train"], z["held"]
+    train, held = corpus_files()
+    a, b = encode_split(train, tok), encode_split(held, tok)
+    np.savez(f, train=a, held=b)
+    return a, b
+
+
+def heldout_windows(held: np.ndarray, n: int = 48) -> torch.Tensor:
+    """n non-overlapping windows of SEQ+1 tokens spread evenly over the held-out stream -> (n, SEQ+1)."""
+    total = len(held) // (SEQ + 1)
+    idx = np.linspace(0, total - 1, min(n, total)).astype(int)
+    return torch.from_numpy(np.stack([held[i * (SEQ + 1):(i + 1) * (SEQ + 1)] for i in idx]).astype(np.int64))
+
+
+# ---------------------------------------------------------------------------------------------- model
+def make_config(size: Size, tok):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tok), hidden_size=size.hidden, num_hidden_layers=size.layers,
+        num_attention_heads=size.heads, num_key_value_heads=size.kv_heads, head_dim=size.head_dim,
+        intermediate_size=size.intermediate, max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, initializer_range=0.02, dtype="float32",
+    )
+
+
+@torch.no_grad()
+def evaluate(model, windows: torch.Tensor, bs: int = 16) -> float:
+    """Mean next-token cross-entropy (nats) over all positions of the held-out windows."""
+    model.eval()
+    tot, n = 0.0, 0
+    for i in range(0, len(windows), bs):
+        w = windows[i:i + bs]
+        logits = model(w[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1),
+                                                 reduction="sum")
+        tot, n = tot + loss.item(), n + w[:, 1:].numel()
+    model.train()
+    return tot / n
+
+
+def lr_at(step: int, size: Size) -> float:
+    if step < size.warmup:
+        return size.lr * (step + 1) / size.warmup
+    p = (step - size.warmup) / max(1, size.steps - size.warmup)
+    return size.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def train(key: str, eval_every: int = 100, log=print, threads: int = 2) -> dict:
+    from transformers import LlamaForCausalLM
+
+    size = SIZES[key]
+    torch.set_num_threads(threads)
+    torch.manual_seed(SEED)
+    tok = load_tokenizer()
+    train_s, held_s = token_streams(tok)
+    windows = heldout_windows(held_s)
+    cfg = make_config(size, tok)
+    model = LlamaForCausalLM(cfg)  # weights from torch.manual_seed(SEED)
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=size.lr, betas=(0.9, 0.95), eps=1e-8)
+    g = torch.Generator().manual_seed(SEED)
+    train_t = torch.from_numpy(train_s.astype(np.int64))
+    hist: dict = {"train": [], "heldout": []}
+    log(f"[{key}] params={n_params} train_tokens={len(train_s)} heldout_tokens={len(held_s)} steps={size.steps}")
+    t0, run = time.time(), []
+    for step in range(size.steps):
+        if step % eval_every == 0:
+            hist["heldout"].append({"step": step, "tokens": step * size.batch * SEQ, "loss": evaluate(model, windows),
+                                    "elapsed_s": time.time() - t0})
+            log(f"[{key}] step {step} heldout {hist['heldout'][-1]['loss']:.4f} ({time.time() - t0:.0f}s)")
+        starts = torch.randint(0, len(train_t) - SEQ - 1, (size.batch,), generator=g)
+        x = torch.stack([train_t[s:s + SEQ + 1] for s in starts.tolist()])
+        for grp in opt.param_groups:
+            grp["lr"] = lr_at(step, size)
+        logits = model(x[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        run.append(loss.item())
+        if (step + 1) % 20 == 0:
+            hist["train"].append({"step": step + 1, "tokens": (step + 1) * size.batch * SEQ,
+                                  "loss": float(np.mean(run)), "elapsed_s": time.time() - t0})
+            run = []
+    final = evaluate(model, windows)
+    wall = time.time() - t0
+    hist["heldout"].append({"step": size.steps, "tokens": size.steps * size.batch * SEQ, "loss": final,
+                            "elapsed_s": wall})
+    log(f"[{key}] done heldout {final:.4f} ppl {math.exp(final):.2f} wall {wall:.0f}s")
+    summary = {"name": size.name, "size": key, "params": n_params, "steps": size.steps,
+               "tokens_seen": size.steps * size.batch * SEQ, "train_tokens": int(len(train_s)),
+               "heldout_tokens_eval": int(windows[:, 1:].numel()), "heldout_loss": final,
+               "heldout_ppl": math.exp(final), "wall_s": wall, "hyper": asdict(size), "seed": SEED,
+               "python": platform.python_version(), "torch": torch.__version__, "threads": threads, "history": hist}
+    save(model, tok, size, summary)
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------- save
+def save(model, tok, size: Size, summary: dict) -> None:
+    out = MODELS / size.name
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    model.eval()
+    if size.storage_dtype == "float16":
+        from safetensors.torch import save_file
+
+        model.config.save_pretrained(str(out))
+        sd = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()
+              if k != "lm_head.weight"}  # tied to model.embed_tokens.weight
+        save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        model.save_pretrained(str(out))
+    for f in TOKENIZER_DIR.iterdir():
+        shutil.copy(f, out / f.name)
+    (out / "training_log.json").write_text(json.dumps(summary, indent=1))
+    (out / "README.md").write_text(model_card(summary))
+
+
+def model_card(s: dict) -> str:
+    h = s["hyper"]
+    train, held = corpus_files()
+    store = ("float32" if h["storage_dtype"] == "float32" else
+             "float16 (to stay under 15 MB; `from_pretrained` loads them as float32, the config's dtype)")
+    return f"""# {s['name']}
+
+A tiny Llama-architecture causal LM trained from scratch on Python source, shipped with kvexport as a
+reference model for KV-cache compression experiments (eviction presses, MLA upcycling, distillation).
+It writes Python-looking code; it is not a useful assistant.
+
+| | |
+|---|---|
+| architecture | `LlamaForCausalLM`, {h['layers']} layers, hidden {h['hidden']}, {h['heads']} query heads, {h['kv_heads']} KV heads (GQA), head_dim {h['head_dim']}, SwiGLU intermediate {h['intermediate']}, RMSNorm |
+| position encoding | RoPE, theta 100000, max_position_embeddings 32768 (trained on 256-token windows) |
+| embeddings | tied (lm_head = embed_tokens) |
+| parameters | {s['params']:,} |
+| weights | `model.safetensors`, {store} |
+| tokenizer | byte-level BPE, vocab {VOCAB} incl. `<\\|bos\\|>` `<\\|eos\\|>` `<\\|pad\\|>` (shared by all kvexport reference models) |
+| data | Python {s['python']} standard library `*.py` (CPython's `Lib/`), without `site-packages`, `test`, `tests`, `idle_test`, `pydoc_data` |
+| split | by file: held out iff `sha256(relative_path)[0] < {HELDOUT_BYTE}`; {len(train)} train files ({s['train_tokens']:,} tokens), {len(held)} held-out files |
+| training | {s['steps']} steps × batch {h['batch']} × {SEQ} tokens = {s['tokens_seen']:,} tokens seen (random windows of the train stream); AdamW (β 0.9/0.95, wd 0.1), lr {h['lr']} with {h['warmup']} warm-up steps and cosine decay to 10 %, grad clip 1.0, seed {s['seed']} |
+| compute | {s['wall_s'] / 60:.1f} min wall on 2 CPU cores shared with other jobs (`torch.set_num_threads({s.get('threads', 2)})`, torch {s['torch']}) |
+| held-out loss | **{s['heldout_loss']:.4f}** nats/token, perplexity **{s['heldout_ppl']:.2f}** ({s['heldout_tokens_eval']:,} tokens: 48 evenly spaced 257-token windows of the held-out stream) |
+
+Loss curves: `training_log.json` here, plotted in `docs/reference_models.md`.
+
+## Use
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tok = AutoTokenizer.from_pretrained("models/{s['name']}")
+model = AutoModelForCausalLM.from_pretrained("models/{s['name']}")
+```
+
+```bash
+kvexport generate models/{s['name']} --prompt "def " --press knorm --budget 64 --window 16
+```
+
+## Reproduce
+
+```bash
+python scripts/train_reference.py --tokenizer        # models/tokenizer (seconds)
+python scripts/train_reference.py --size {s['size']}
+```
+
+Same interpreter version (the data is its stdlib) and torch version give the same tokenizer and the
+same data order; weights match up to floating-point nondeterminism of CPU kernels.
+"""
+
+
+# ----------------------------------------------------------------------------------------------- plot
+def plot() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    rows = []
+    for i, (key, size) in enumerate(SIZES.items()):
+        f = MODELS / size.name / "training_log.json"
+        if not f.exists():
+            continue
+        s = json.loads(f.read_text())
+        c = f"C{i}"
+        tr, he = s["history"]["train"], s["history"]["heldout"]
+        ax.plot([r["tokens"] / 1e6 for r in tr], [r["loss"] for r in tr], color=c, alpha=0.45, lw=1,
+                label=f"{size.name} train")
+        ax.plot([r["tokens"] / 1e6 for r in he], [r["loss"] for r in he], color=c, marker="o", ms=3, lw=1.8,
+                label=f"{size.name} held-out")
+        rows.append(s)
+    ax.set_xlabel("tokens seen (M)")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_ylim(top=6.0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("kvexport reference models (Python stdlib, 2 CPU cores)")
+    fig.tight_layout()
+    DOCS.mkdir(exist_ok=True)
+    fig.savefig(DOCS / "reference_models_loss.png", dpi=110)
+    print("wrote", DOCS / "reference_models_loss.png")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=list(SIZES), action="append", help="model(s) to train")
+    ap.add_argument("--all", action="store_true", help="tokenizer + all three models + plot")
+    ap.add_argument("--tokenizer", action="store_true", help="(re)train models/tokenizer")
+    ap.add_argument("--plot", action="store_true", help="redraw docs/reference_models_loss.png")
+    ap.add_argument("--steps", type=int, help="override the step count (smoke runs)")
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    a = ap.parse_args(argv)
+    if a.tokenizer or a.all or not (TOKENIZER_DIR / "tokenizer.json").exists():
+        t = time.time()
+        train_tokenizer()
+        print(f"tokenizer trained in {time.time() - t:.1f}s -> {TOKENIZER_DIR}")
+    keys = list(SIZES) if a.all else (a.size or [])
+    for k in keys:
+        if a.steps:
+            SIZES[k].steps = a.steps
+        train(k, log=lambda m: print(m, flush=True), threads=a.threads)
+    if a.plot or a.all or keys:
+        plot()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

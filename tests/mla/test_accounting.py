@@ -1,0 +1,72 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Cache accounting: X-EcoMLA's ratio table for the Llama-3.2-1B shape (from a config alone), budgets, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvexport.cli import app
+from kvexport.mla import MLASettings, rewrite_to_mla, save_mla
+from kvexport.mla.accounting import cache_report
+from kvexport.models.decoder import Decoder
+
+# REFERENCE.md §2: r_kv -> ratio, d_rope 32, 2·8·64 = 1024 elements per token and layer originally
+TABLE = {48: 12.8, 64: 10.67, 128: 6.4, 256: 3.56, 512: 1.88}
+
+
+@pytest.fixture(scope="module")
+def llama_1b_dir(tmp_path_factory):
+    """The Llama-3.2-1B shape as a config.json only (no weights: accounting needs none)."""
+    import transformers as tf
+
+    d = tmp_path_factory.mktemp("llama-3.2-1b-shape")
+    tf.LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                   num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
+                   tie_word_embeddings=True, dtype="bfloat16").save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("rank,ratio", sorted(TABLE.items()))
+def test_ratio_table_cli(llama_1b_dir, rank, ratio):
+    res = CliRunner().invoke(app, ["inspect", str(llama_1b_dir), "--mla-rank", str(rank), "--rope-dim", "32",
+                                   "--context", "2048", "--json"])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    assert d["original_elements_per_token_layer"] == 1024
+    assert d["elements_per_token_layer"] == [rank + 32] * 16
+    assert round(d["ratio"], 2) == ratio and round(d["per_token_ratio"], 2) == ratio
+    assert d["bytes_per_element"] == 2  # bfloat16 from the config
+    assert d["bytes_per_token"] == 16 * (rank + 32) * 2
+    assert d["original_bytes_per_sequence"] == 2048 * 16 * 1024 * 2
+    assert d["bytes_per_sequence"] == 2048 * 16 * (rank + 32) * 2
+
+
+def test_budget_and_window(llama_1b_dir):
+    """A static budget holds budget + window slots whatever the context; ratios multiply."""
+    res = CliRunner().invoke(app, ["inspect", str(llama_1b_dir), "--mla-rank", "64", "--rope-dim", "32",
+                                   "--budget", "480", "--window", "32", "--context", "8192", "--json"])
+    d = json.loads(res.output)
+    assert d["tokens_held"] == 512
+    assert d["bytes_per_sequence"] == 512 * 16 * 96 * 2
+    assert d["ratio"] == pytest.approx(1024 / 96 * 8192 / 512)
+    plain = json.loads(CliRunner().invoke(app, ["inspect", str(llama_1b_dir), "--budget", "480", "--context",
+                                                "8192", "--json"]).output)
+    assert plain["ratio"] == pytest.approx(16.0) and plain["elements_per_token_layer"] == [1024] * 16
+
+
+def test_inspect_saved_mla_dir_matches_its_cache(tiny_models, tmp_path):
+    """For a saved MLA model the accounting equals the bytes its real static cache allocates."""
+    mla = rewrite_to_mla(Decoder.from_hf(tiny_models("qwen2")), MLASettings(energy=0.9, rope_dim=8))
+    save_mla(mla, tmp_path / "m")
+    res = CliRunner().invoke(app, ["inspect", str(tmp_path / "m"), "--budget", "20", "--window", "4",
+                                   "--dtype", "float32", "--json"])
+    d = json.loads(res.output)
+    assert d["elements_per_token_layer"] == [p.kv_rank + 8 for p in mla.mla_plans]
+    cache = mla.new_cache(1, None, 20, 4)
+    assert d["bytes_per_sequence"] == cache.nbytes()
+    assert cache_report(mla.spec, mla_ranks=[p.kv_rank for p in mla.mla_plans], rope_dim=8, context=24,
+                        dtype="float32").bytes_per_element == torch.float32.itemsize

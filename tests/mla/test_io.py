@@ -1,0 +1,63 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Save / load round trip of MLA directories, and load_decoder recognising them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvexport.errors import BadArtifact, BadUsage
+from kvexport.mla import MLASettings, is_mla_dir, load_mla, rewrite_to_mla, save_mla
+from kvexport.models.loading import load_decoder
+from tests.conftest import FAMILIES, FAMILY_IDS
+
+
+@pytest.mark.parametrize("family,kw", FAMILIES, ids=FAMILY_IDS)
+def test_round_trip_identical_logits(tiny_models, tmp_path, family, kw):
+    hf = tiny_models(family, **kw)
+    mla = rewrite_to_mla(hf, MLASettings(energy=0.8, rope_dim=8, rope_init="norm", q_rank=24, absorb=False))
+    out = save_mla(mla, tmp_path / "mla")
+    cfg = json.loads((out / "kvexport_mla.json").read_text())
+    assert cfg["settings"] == mla.mla_settings.to_dict()
+    assert cfg["hf_config"]["model_type"] == family
+    assert [lp["kv_rank"] for lp in cfg["layers"]] == [p.kv_rank for p in mla.mla_plans]
+    back = load_mla(out)
+    assert back.layers[0].self_attn.absorb is False
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(20).expand(2, 20)
+    with torch.no_grad():
+        assert torch.equal(mla(ids, pos), back(ids, pos))
+    dec, hf_none = load_decoder(out)
+    assert hf_none is None and is_mla_dir(out)
+    with torch.no_grad():
+        assert torch.equal(dec(ids, pos), back(ids, pos))
+
+
+def test_tied_embeddings_and_tokenizer_copied(tmp_path):
+    from kvexport.models.tiny import tiny_model
+
+    hf = tiny_model("llama", tie_word_embeddings=True)
+    src = tmp_path / "hf"
+    hf.save_pretrained(src)
+    (src / "tokenizer.json").write_text("{}")
+    mla = rewrite_to_mla(hf, MLASettings(kv_rank=16, rope_dim=8))
+    out = save_mla(mla, tmp_path / "mla", tokenizer_dir=src)
+    assert (out / "tokenizer.json").read_text() == "{}"
+    back = load_mla(out)
+    assert back.lm_head.weight.data_ptr() == back.embed_tokens.weight.data_ptr()
+    ids = torch.arange(10)[None]
+    with torch.no_grad():
+        assert torch.equal(mla(ids, torch.arange(10)[None]), back(ids, torch.arange(10)[None]))
+
+
+def test_refuses_to_clobber_and_damaged_dirs(tiny_models, tmp_path):
+    mla = rewrite_to_mla(tiny_models("llama"), MLASettings(kv_rank=16, rope_dim=8))
+    out = save_mla(mla, tmp_path / "m")
+    with pytest.raises(BadUsage, match="not empty"):
+        save_mla(mla, out)
+    (out / "kvexport_mla.json").write_text("{not json")
+    with pytest.raises(BadArtifact, match="not valid JSON"):
+        load_mla(out)
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no temporary leftovers

@@ -1,0 +1,201 @@
+// SPDX-License-Identifier: Apache-2.0
+// Host-side checks of the kvexport plugin classes that need TensorRT's headers but no GPU and no libnvinfer:
+// creator field names = ONNX attribute names, attribute parsing (types, missing, out of range), the serialization
+// round trip, output types and format combinations, and the getCreators entry point. Built and run by
+// tests/plugins/test_compile.py (compiled with KVEXPORT_STATIC_REGISTRATION=0, so nothing calls into libnvinfer).
+#include "../../plugins/common/pluginUtils.h"
+#include "../../plugins/latent_attention/latentAttentionPlugin.h"
+#include "../../plugins/topk_gather/topKGatherPlugin.h"
+
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+using namespace nvinfer1;
+using namespace kvexport;
+
+extern "C" IPluginCreatorInterface* const* getCreators(int32_t& nbCreators);
+
+namespace
+{
+int gFailures = 0;
+
+void check(bool ok, char const* what)
+{
+    std::printf("%s %s\n", ok ? "PASS" : "FAIL", what);
+    if (!ok)
+    {
+        ++gFailures;
+    }
+}
+
+template <typename F>
+bool throws(F&& f)
+{
+    try
+    {
+        f();
+    }
+    catch (PluginError const&)
+    {
+        return true;
+    }
+    return false;
+}
+
+std::string fieldNames(PluginFieldCollection const* fc)
+{
+    std::string s;
+    for (int32_t i = 0; i < fc->nbFields; ++i)
+    {
+        s += (i ? "," : "") + std::string(fc->fields[i].name);
+    }
+    return s;
+}
+
+DynamicPluginTensorDesc desc(DataType t)
+{
+    DynamicPluginTensorDesc d{};
+    d.desc.type = t;
+    d.desc.format = TensorFormat::kLINEAR;
+    return d;
+}
+} // namespace
+
+int main()
+{
+    // ---- TopKGather creator
+    TopKGatherPluginCreator tk;
+    check(std::strcmp(tk.getPluginName(), "TopKGather") == 0, "TopKGather name");
+    check(std::strcmp(tk.getPluginNamespace(), "kvexport") == 0, "TopKGather namespace kvexport");
+    check(std::strcmp(tk.getPluginVersion(), "1") == 0, "TopKGather version 1");
+    check(fieldNames(tk.getFieldNames()) == "k", "TopKGather fields = k");
+
+    int32_t k32 = 7;
+    int64_t k64 = 9;
+    PluginField f32("k", &k32, PluginFieldType::kINT32, 1);
+    PluginField f64("k", &k64, PluginFieldType::kINT64, 1);
+    PluginFieldCollection c32{1, &f32};
+    PluginFieldCollection c64{1, &f64};
+    check(TopKGatherPluginCreator::parseK(&c32) == 7, "k from kINT32");
+    check(TopKGatherPluginCreator::parseK(&c64) == 9, "k from kINT64");
+    PluginFieldCollection none{0, nullptr};
+    check(throws([&] { TopKGatherPluginCreator::parseK(&none); }), "missing k rejected");
+    int32_t k0 = 0;
+    PluginField fz("k", &k0, PluginFieldType::kINT32, 1);
+    PluginFieldCollection cz{1, &fz};
+    check(throws([&] { TopKGatherPluginCreator::parseK(&cz); }), "k = 0 rejected");
+    float kf = 3.0F;
+    PluginField ff("k", &kf, PluginFieldType::kFLOAT32, 1);
+    PluginFieldCollection cf{1, &ff};
+    check(throws([&] { TopKGatherPluginCreator::parseK(&cf); }), "float k rejected");
+    check(tk.createPlugin("x", &cz, TensorRTPhase::kBUILD) == nullptr, "createPlugin(k = 0) returns null");
+
+    std::unique_ptr<IPluginV3> p(tk.createPlugin("x", &c32, TensorRTPhase::kBUILD));
+    check(p != nullptr, "createPlugin(k = 7)");
+    auto* core = static_cast<IPluginV3OneCore*>(p->getCapabilityInterface(PluginCapabilityType::kCORE));
+    auto* build = static_cast<IPluginV3OneBuild*>(p->getCapabilityInterface(PluginCapabilityType::kBUILD));
+    auto* runtime = static_cast<IPluginV3OneRuntime*>(p->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
+    check(std::strcmp(core->getPluginName(), "TopKGather") == 0, "core capability");
+    check(build->getNbOutputs() == 4, "TopKGather has 4 outputs");
+    PluginFieldCollection const* ser = runtime->getFieldsToSerialize();
+    std::unique_ptr<IPluginV3> p2(tk.createPlugin("x", ser, TensorRTPhase::kRUNTIME));
+    check(p2 && static_cast<TopKGatherPlugin*>(p2.get())->k() == 7, "serialize round trip keeps k");
+    std::unique_ptr<IPluginV3> p3(p->clone());
+    check(p3 && static_cast<TopKGatherPlugin*>(p3.get())->k() == 7, "clone keeps k");
+
+    DataType in[4] = {DataType::kFLOAT, DataType::kHALF, DataType::kHALF, DataType::kINT64};
+    DataType out[4];
+    check(build->getOutputDataTypes(out, 4, in, 4) == 0 && out[0] == DataType::kHALF && out[1] == DataType::kHALF
+            && out[2] == DataType::kINT64 && out[3] == DataType::kINT64,
+        "TopKGather output types");
+    std::vector<DynamicPluginTensorDesc> io = {desc(DataType::kFLOAT), desc(DataType::kHALF), desc(DataType::kHALF),
+        desc(DataType::kINT64), desc(DataType::kHALF), desc(DataType::kHALF), desc(DataType::kINT64),
+        desc(DataType::kINT64)};
+    bool all = true;
+    for (int32_t pos = 0; pos < 8; ++pos)
+    {
+        all = all && build->supportsFormatCombination(pos, io.data(), 4, 4);
+    }
+    check(all, "TopKGather accepts fp32 scores + fp16 keys/values + int64");
+    io[3] = desc(DataType::kINT32);
+    check(!build->supportsFormatCombination(3, io.data(), 4, 4), "TopKGather rejects int32 positions");
+    io[2] = desc(DataType::kFLOAT);
+    check(!build->supportsFormatCombination(2, io.data(), 4, 4), "TopKGather rejects values typed unlike keys");
+    io[1] = desc(DataType::kINT8);
+    check(!build->supportsFormatCombination(1, io.data(), 4, 4), "TopKGather rejects int8 keys");
+    io[1] = desc(DataType::kBF16);
+    check(build->supportsFormatCombination(1, io.data(), 4, 4) == (KVEXPORT_ENABLE_BF16 != 0), "TopKGather bf16 keys");
+
+    // ---- LatentAttention creator
+    LatentAttentionPluginCreator la;
+    check(std::strcmp(la.getPluginName(), "LatentAttention") == 0, "LatentAttention name");
+    check(std::strcmp(la.getPluginNamespace(), "kvexport") == 0, "LatentAttention namespace kvexport");
+    check(fieldNames(la.getFieldNames()) == "rank,scale", "LatentAttention fields = rank,scale");
+    int32_t rank = 64;
+    float scale = 0.125F;
+    double scale64 = 0.25;
+    PluginField lf[2] = {PluginField("rank", &rank, PluginFieldType::kINT32, 1),
+        PluginField("scale", &scale, PluginFieldType::kFLOAT32, 1)};
+    PluginFieldCollection lc{2, lf};
+    LatentAttentionAttributes a = LatentAttentionPluginCreator::parse(&lc);
+    check(a.rank == 64 && a.scale == 0.125F, "rank/scale parsed");
+    PluginField lf64[2] = {PluginField("rank", &rank, PluginFieldType::kINT32, 1),
+        PluginField("scale", &scale64, PluginFieldType::kFLOAT64, 1)};
+    PluginFieldCollection lc64{2, lf64};
+    check(LatentAttentionPluginCreator::parse(&lc64).scale == 0.25F, "scale from kFLOAT64");
+    PluginFieldCollection lcRankOnly{1, lf};
+    check(throws([&] { LatentAttentionPluginCreator::parse(&lcRankOnly); }), "missing scale rejected");
+    int32_t bigRank = 4096;
+    PluginField lfBig[2] = {PluginField("rank", &bigRank, PluginFieldType::kINT32, 1),
+        PluginField("scale", &scale, PluginFieldType::kFLOAT32, 1)};
+    PluginFieldCollection lcBig{2, lfBig};
+    check(throws([&] { LatentAttentionPluginCreator::parse(&lcBig); }), "rank > 512 rejected");
+    float negScale = -1.0F;
+    PluginField lfNeg[2] = {PluginField("rank", &rank, PluginFieldType::kINT32, 1),
+        PluginField("scale", &negScale, PluginFieldType::kFLOAT32, 1)};
+    PluginFieldCollection lcNeg{2, lfNeg};
+    check(throws([&] { LatentAttentionPluginCreator::parse(&lcNeg); }), "negative scale rejected");
+
+    std::unique_ptr<IPluginV3> q(la.createPlugin("y", &lc, TensorRTPhase::kBUILD));
+    check(q != nullptr, "createPlugin(rank 64, scale 0.125)");
+    auto* qbuild = static_cast<IPluginV3OneBuild*>(q->getCapabilityInterface(PluginCapabilityType::kBUILD));
+    auto* qrt = static_cast<IPluginV3OneRuntime*>(q->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
+    PluginFieldCollection const* qser = qrt->getFieldsToSerialize();
+    LatentAttentionAttributes b = LatentAttentionPluginCreator::parse(qser);
+    check(b.rank == 64 && b.scale == 0.125F, "serialize round trip keeps rank/scale");
+    DataType lin[4] = {DataType::kHALF, DataType::kHALF, DataType::kINT64, DataType::kINT64};
+    DataType lout[2];
+    check(qbuild->getOutputDataTypes(lout, 2, lin, 4) == 0 && lout[0] == DataType::kHALF
+            && lout[1] == DataType::kFLOAT,
+        "LatentAttention output types (out as q, attn_mass float32)");
+    std::vector<DynamicPluginTensorDesc> lio = {desc(DataType::kHALF), desc(DataType::kHALF), desc(DataType::kINT64),
+        desc(DataType::kINT64), desc(DataType::kHALF), desc(DataType::kFLOAT)};
+    all = true;
+    for (int32_t pos = 0; pos < 6; ++pos)
+    {
+        all = all && qbuild->supportsFormatCombination(pos, lio.data(), 4, 2);
+    }
+    check(all, "LatentAttention accepts fp16 q/latent/out + int64 + fp32 mass");
+    lio[5] = desc(DataType::kHALF);
+    check(!qbuild->supportsFormatCombination(5, lio.data(), 4, 2), "LatentAttention attn_mass must be float32");
+    lio[1] = desc(DataType::kFLOAT);
+    check(!qbuild->supportsFormatCombination(1, lio.data(), 4, 2), "LatentAttention latent typed like q");
+
+    // ---- library entry point
+    int32_t n = 0;
+    IPluginCreatorInterface* const* creators = getCreators(n);
+    check(n == 2 && creators != nullptr, "getCreators returns 2 creators");
+    if (n == 2)
+    {
+        auto* c0 = static_cast<IPluginCreatorV3One*>(creators[0]);
+        auto* c1 = static_cast<IPluginCreatorV3One*>(creators[1]);
+        check(std::strcmp(c0->getInterfaceInfo().kind, "PLUGIN CREATOR_V3ONE") == 0, "creators are V3One");
+        check(std::strcmp(c0->getPluginName(), "TopKGather") == 0 && std::strcmp(c1->getPluginName(), "LatentAttention") == 0,
+            "getCreators names");
+    }
+    std::printf("%d failures\n", gFailures);
+    return gFailures == 0 ? 0 : 1;
+}
