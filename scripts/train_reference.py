@@ -13,7 +13,7 @@ Usage::
 
     python scripts/train_reference.py --size student      # ~20 min on 2 CPU cores
     python scripts/train_reference.py --all               # tokenizer + all three models
-    python scripts/train_reference.py --plot              # redraw docs/reference_models_loss.png
+    python scripts/train_reference.py --docs              # redraw the plot and tables from the logs
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Size:
     kv_heads: int
     intermediate: int
     steps: int
-    batch: int = 16
+    batch: int = 8
     lr: float = 3e-3
     warmup: int = 100
     storage_dtype: str = "float32"  # dtype of the tensors in model.safetensors
@@ -65,12 +65,22 @@ class Size:
 
 
 SIZES = {
-    "student": Size("kvx-student", hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384, steps=1600),
-    "teacher-2x": Size("kvx-teacher-2x", hidden=192, layers=4, heads=6, kv_heads=2, intermediate=640, steps=1200,
-                       lr=2.5e-3),
+    "student": Size("kvx-student", hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384, steps=1000),
+    "teacher-2x": Size(
+        "kvx-teacher-2x", hidden=192, layers=4, heads=6, kv_heads=2, intermediate=640, steps=1000, lr=2.5e-3
+    ),
     # fp32 would be 21 MB; weights are stored in float16 to stay under 15 MB (they load as float32).
-    "teacher-4x": Size("kvx-teacher-4x", hidden=256, layers=6, heads=8, kv_heads=2, intermediate=704, steps=900,
-                       lr=2e-3, storage_dtype="float16"),
+    "teacher-4x": Size(
+        "kvx-teacher-4x",
+        hidden=256,
+        layers=6,
+        heads=8,
+        kv_heads=2,
+        intermediate=704,
+        steps=700,
+        lr=2e-3,
+        storage_dtype="float16",
+    ),
 }
 
 
@@ -82,8 +92,11 @@ def stdlib_root() -> Path:
 def corpus_files() -> tuple[list[str], list[str]]:
     """-> (train, held-out) lists of stdlib-relative POSIX paths, sorted."""
     root = stdlib_root()
-    rels = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")
-                  if not EXCLUDED_DIRS.intersection(p.relative_to(root).parts))
+    rels = sorted(
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*.py")
+        if not EXCLUDED_DIRS.intersection(p.relative_to(root).parts)
+    )
     train, held = [], []
     for r in rels:
         (held if hashlib.sha256(r.encode()).digest()[0] < HELDOUT_BYTE else train).append(r)
@@ -106,16 +119,28 @@ def train_tokenizer(out: Path = TOKENIZER_DIR) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, min_frequency=2, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        min_frequency=2,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     texts = [t for t in (read_text(r) for r in train) if t is not None]
     tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
     # add_special_tokens=True prepends <|bos|>, as every training document starts with it
     bos = tok.token_to_id("<|bos|>")
-    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B",
-                                                       special_tokens=[("<|bos|>", bos)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
-                                   pad_token="<|pad|>", model_max_length=32768, clean_up_tokenization_spaces=False)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", bos)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        model_max_length=32768,
+        clean_up_tokenization_spaces=False,
+    )
     out.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out))
 
@@ -155,7 +180,7 @@ def heldout_windows(held: np.ndarray, n: int = 48) -> torch.Tensor:
     """n non-overlapping windows of SEQ+1 tokens spread evenly over the held-out stream -> (n, SEQ+1)."""
     total = len(held) // (SEQ + 1)
     idx = np.linspace(0, total - 1, min(n, total)).astype(int)
-    return torch.from_numpy(np.stack([held[i * (SEQ + 1):(i + 1) * (SEQ + 1)] for i in idx]).astype(np.int64))
+    return torch.from_numpy(np.stack([held[i * (SEQ + 1) : (i + 1) * (SEQ + 1)] for i in idx]).astype(np.int64))
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -163,12 +188,22 @@ def make_config(size: Size, tok):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=len(tok), hidden_size=size.hidden, num_hidden_layers=size.layers,
-        num_attention_heads=size.heads, num_key_value_heads=size.kv_heads, head_dim=size.head_dim,
-        intermediate_size=size.intermediate, max_position_embeddings=32768,
-        rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, initializer_range=0.02, dtype="float32",
+        vocab_size=len(tok),
+        hidden_size=size.hidden,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.heads,
+        num_key_value_heads=size.kv_heads,
+        head_dim=size.head_dim,
+        intermediate_size=size.intermediate,
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        initializer_range=0.02,
+        dtype="float32",
     )
 
 
@@ -178,10 +213,11 @@ def evaluate(model, windows: torch.Tensor, bs: int = 16) -> float:
     model.eval()
     tot, n = 0.0, 0
     for i in range(0, len(windows), bs):
-        w = windows[i:i + bs]
+        w = windows[i : i + bs]
         logits = model(w[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1),
-                                                 reduction="sum")
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1), reduction="sum"
+        )
         tot, n = tot + loss.item(), n + w[:, 1:].numel()
     model.train()
     return tot / n
@@ -209,8 +245,12 @@ def train(key: str, eval_every: int = 100, log=print, threads: int = 2) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=size.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=size.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     g = torch.Generator().manual_seed(SEED)
     train_t = torch.from_numpy(train_s.astype(np.int64))
     hist: dict = {"train": [], "heldout": []}
@@ -218,11 +258,17 @@ def train(key: str, eval_every: int = 100, log=print, threads: int = 2) -> dict:
     t0, run = time.time(), []
     for step in range(size.steps):
         if step % eval_every == 0:
-            hist["heldout"].append({"step": step, "tokens": step * size.batch * SEQ, "loss": evaluate(model, windows),
-                                    "elapsed_s": time.time() - t0})
+            hist["heldout"].append(
+                {
+                    "step": step,
+                    "tokens": step * size.batch * SEQ,
+                    "loss": evaluate(model, windows),
+                    "elapsed_s": time.time() - t0,
+                }
+            )
             log(f"[{key}] step {step} heldout {hist['heldout'][-1]['loss']:.4f} ({time.time() - t0:.0f}s)")
         starts = torch.randint(0, len(train_t) - SEQ - 1, (size.batch,), generator=g)
-        x = torch.stack([train_t[s:s + SEQ + 1] for s in starts.tolist()])
+        x = torch.stack([train_t[s : s + SEQ + 1] for s in starts.tolist()])
         for grp in opt.param_groups:
             grp["lr"] = lr_at(step, size)
         logits = model(x[:, :-1]).logits
@@ -233,19 +279,39 @@ def train(key: str, eval_every: int = 100, log=print, threads: int = 2) -> dict:
         opt.step()
         run.append(loss.item())
         if (step + 1) % 20 == 0:
-            hist["train"].append({"step": step + 1, "tokens": (step + 1) * size.batch * SEQ,
-                                  "loss": float(np.mean(run)), "elapsed_s": time.time() - t0})
+            hist["train"].append(
+                {
+                    "step": step + 1,
+                    "tokens": (step + 1) * size.batch * SEQ,
+                    "loss": float(np.mean(run)),
+                    "elapsed_s": time.time() - t0,
+                }
+            )
             run = []
     final = evaluate(model, windows)
     wall = time.time() - t0
-    hist["heldout"].append({"step": size.steps, "tokens": size.steps * size.batch * SEQ, "loss": final,
-                            "elapsed_s": wall})
+    hist["heldout"].append(
+        {"step": size.steps, "tokens": size.steps * size.batch * SEQ, "loss": final, "elapsed_s": wall}
+    )
     log(f"[{key}] done heldout {final:.4f} ppl {math.exp(final):.2f} wall {wall:.0f}s")
-    summary = {"name": size.name, "size": key, "params": n_params, "steps": size.steps,
-               "tokens_seen": size.steps * size.batch * SEQ, "train_tokens": int(len(train_s)),
-               "heldout_tokens_eval": int(windows[:, 1:].numel()), "heldout_loss": final,
-               "heldout_ppl": math.exp(final), "wall_s": wall, "hyper": asdict(size), "seed": SEED,
-               "python": platform.python_version(), "torch": torch.__version__, "threads": threads, "history": hist}
+    summary = {
+        "name": size.name,
+        "size": key,
+        "params": n_params,
+        "steps": size.steps,
+        "tokens_seen": size.steps * size.batch * SEQ,
+        "train_tokens": int(len(train_s)),
+        "heldout_tokens_eval": int(windows[:, 1:].numel()),
+        "heldout_loss": final,
+        "heldout_ppl": math.exp(final),
+        "wall_s": wall,
+        "hyper": asdict(size),
+        "seed": SEED,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": threads,
+        "history": hist,
+    }
     save(model, tok, size, summary)
     return summary
 
@@ -261,8 +327,9 @@ def save(model, tok, size: Size, summary: dict) -> None:
         from safetensors.torch import save_file
 
         model.config.save_pretrained(str(out))
-        sd = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()
-              if k != "lm_head.weight"}  # tied to model.embed_tokens.weight
+        sd = {
+            k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"
+        }  # tied to model.embed_tokens.weight
         save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     else:
         model.save_pretrained(str(out))
@@ -275,9 +342,12 @@ def save(model, tok, size: Size, summary: dict) -> None:
 def model_card(s: dict) -> str:
     h = s["hyper"]
     train, held = corpus_files()
-    store = ("float32" if h["storage_dtype"] == "float32" else
-             "float16 (to stay under 15 MB; `from_pretrained` loads them as float32, the config's dtype)")
-    return f"""# {s['name']}
+    store = (
+        "float32"
+        if h["storage_dtype"] == "float32"
+        else "float16 (to stay under 15 MB; `from_pretrained` loads them as float32, the config's dtype)"
+    )
+    return f"""# {s["name"]}
 
 A tiny Llama-architecture causal LM trained from scratch on Python source, shipped with kvexport as a
 reference model for KV-cache compression experiments (eviction presses, MLA upcycling, distillation).
@@ -285,17 +355,17 @@ It writes Python-looking code; it is not a useful assistant.
 
 | | |
 |---|---|
-| architecture | `LlamaForCausalLM`, {h['layers']} layers, hidden {h['hidden']}, {h['heads']} query heads, {h['kv_heads']} KV heads (GQA), head_dim {h['head_dim']}, SwiGLU intermediate {h['intermediate']}, RMSNorm |
+| architecture | `LlamaForCausalLM`, {h["layers"]} layers, hidden {h["hidden"]}, {h["heads"]} query heads, {h["kv_heads"]} KV heads (GQA), head_dim {h["head_dim"]}, SwiGLU intermediate {h["intermediate"]}, RMSNorm |
 | position encoding | RoPE, theta 100000, max_position_embeddings 32768 (trained on 256-token windows) |
 | embeddings | tied (lm_head = embed_tokens) |
-| parameters | {s['params']:,} |
+| parameters | {s["params"]:,} |
 | weights | `model.safetensors`, {store} |
 | tokenizer | byte-level BPE, vocab {VOCAB} incl. `<\\|bos\\|>` `<\\|eos\\|>` `<\\|pad\\|>` (shared by all kvexport reference models) |
-| data | Python {s['python']} standard library `*.py` (CPython's `Lib/`), without `site-packages`, `test`, `tests`, `idle_test`, `pydoc_data` |
-| split | by file: held out iff `sha256(relative_path)[0] < {HELDOUT_BYTE}`; {len(train)} train files ({s['train_tokens']:,} tokens), {len(held)} held-out files |
-| training | {s['steps']} steps × batch {h['batch']} × {SEQ} tokens = {s['tokens_seen']:,} tokens seen (random windows of the train stream); AdamW (β 0.9/0.95, wd 0.1), lr {h['lr']} with {h['warmup']} warm-up steps and cosine decay to 10 %, grad clip 1.0, seed {s['seed']} |
-| compute | {s['wall_s'] / 60:.1f} min wall on 2 CPU cores shared with other jobs (`torch.set_num_threads({s.get('threads', 2)})`, torch {s['torch']}) |
-| held-out loss | **{s['heldout_loss']:.4f}** nats/token, perplexity **{s['heldout_ppl']:.2f}** ({s['heldout_tokens_eval']:,} tokens: 48 evenly spaced 257-token windows of the held-out stream) |
+| data | Python {s["python"]} standard library `*.py` (CPython's `Lib/`), without `site-packages`, `test`, `tests`, `idle_test`, `pydoc_data` |
+| split | by file: held out iff `sha256(relative_path)[0] < {HELDOUT_BYTE}`; {len(train)} train files ({s["train_tokens"]:,} tokens), {len(held)} held-out files |
+| training | {s["steps"]} steps × batch {h["batch"]} × {SEQ} tokens = {s["tokens_seen"]:,} tokens seen (random windows of the train stream); AdamW (β 0.9/0.95, wd 0.1), lr {h["lr"]} with {h["warmup"]} warm-up steps and cosine decay to 10 %, grad clip 1.0, seed {s["seed"]} |
+| compute | {s["wall_s"] / 60:.1f} min wall on 2 CPU cores shared with other jobs (`torch.set_num_threads({s.get("threads", 2)})`, torch {s["torch"]}) |
+| held-out loss | **{s["heldout_loss"]:.4f}** nats/token, perplexity **{s["heldout_ppl"]:.2f}** ({s["heldout_tokens_eval"]:,} tokens: 48 evenly spaced 257-token windows of the held-out stream) |
 
 Loss curves: `training_log.json` here, plotted in `docs/reference_models.md`.
 
@@ -303,19 +373,19 @@ Loss curves: `training_log.json` here, plotted in `docs/reference_models.md`.
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
-tok = AutoTokenizer.from_pretrained("models/{s['name']}")
-model = AutoModelForCausalLM.from_pretrained("models/{s['name']}")
+tok = AutoTokenizer.from_pretrained("models/{s["name"]}")
+model = AutoModelForCausalLM.from_pretrained("models/{s["name"]}")
 ```
 
 ```bash
-kvexport generate models/{s['name']} --prompt "def " --press knorm --budget 64 --window 16
+kvexport generate models/{s["name"]} --prompt "def " --press knorm --budget 64 --window 16
 ```
 
 ## Reproduce
 
 ```bash
 python scripts/train_reference.py --tokenizer        # models/tokenizer (seconds)
-python scripts/train_reference.py --size {s['size']}
+python scripts/train_reference.py --size {s["size"]}
 ```
 
 Same interpreter version (the data is its stdlib) and torch version give the same tokenizer and the
@@ -332,17 +402,30 @@ def plot() -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     rows = []
-    for i, (key, size) in enumerate(SIZES.items()):
+    for i, size in enumerate(SIZES.values()):
         f = MODELS / size.name / "training_log.json"
         if not f.exists():
             continue
         s = json.loads(f.read_text())
         c = f"C{i}"
         tr, he = s["history"]["train"], s["history"]["heldout"]
-        ax.plot([r["tokens"] / 1e6 for r in tr], [r["loss"] for r in tr], color=c, alpha=0.45, lw=1,
-                label=f"{size.name} train")
-        ax.plot([r["tokens"] / 1e6 for r in he], [r["loss"] for r in he], color=c, marker="o", ms=3, lw=1.8,
-                label=f"{size.name} held-out")
+        ax.plot(
+            [r["tokens"] / 1e6 for r in tr],
+            [r["loss"] for r in tr],
+            color=c,
+            alpha=0.45,
+            lw=1,
+            label=f"{size.name} train",
+        )
+        ax.plot(
+            [r["tokens"] / 1e6 for r in he],
+            [r["loss"] for r in he],
+            color=c,
+            marker="o",
+            ms=3,
+            lw=1.8,
+            label=f"{size.name} held-out",
+        )
         rows.append(s)
     ax.set_xlabel("tokens seen (M)")
     ax.set_ylabel("cross-entropy (nats/token)")
@@ -356,12 +439,105 @@ def plot() -> None:
     print("wrote", DOCS / "reference_models_loss.png")
 
 
+def summaries() -> list[dict]:
+    out = []
+    for size in SIZES.values():
+        f = MODELS / size.name / "training_log.json"
+        if f.exists():
+            out.append(json.loads(f.read_text()))
+    return out
+
+
+def write_docs() -> None:
+    """docs/reference_models.md and models/README.md: one table row per trained model."""
+    rows = []
+    base = None
+    for s in summaries():
+        h = s["hyper"]
+        base = base or s["params"]
+        rows.append(
+            f"| [{s['name']}](../models/{s['name']}) | {s['params']:,} ({s['params'] / base:.2f}×) | "
+            f"{h['layers']} × {h['hidden']}, {h['heads']} q / {h['kv_heads']} kv heads, ffn {h['intermediate']} | "
+            f"{h['storage_dtype']} | {s['steps']} | {s['tokens_seen'] / 1e6:.2f} M | {s['wall_s'] / 60:.1f} min | "
+            f"{s['heldout_loss']:.3f} | {s['heldout_ppl']:.1f} |"
+        )
+    head = (
+        "| model | parameters | shape | weights | steps | tokens seen | wall (2 shared cores) | held-out loss | "
+        "held-out ppl |\n|---|---|---|---|---|---|---|---|---|\n"
+    )
+    table = head + "\n".join(rows) + "\n"
+    train, held = corpus_files()
+    doc = f"""# Reference models
+
+kvexport ships three small Llama-architecture models trained from scratch on this machine, so that
+eviction presses and MLA upcycling can be measured on models whose attention is trained rather than
+random. They write plausible Python; they are research fixtures, not assistants.
+
+![loss curves](reference_models_loss.png)
+
+{table}
+Held-out loss: mean next-token cross-entropy (nats/token) over 48 evenly spaced 257-token windows of
+the held-out stream; perplexity = exp(loss). Train curves are means over 20 steps.
+
+## Data and split
+
+The `*.py` files of the interpreter's own standard library (`sysconfig.get_paths()["stdlib"]`, here
+CPython {platform.python_version()}), found on every machine with Python and needing no download. Excluded folders:
+`site-packages`, `test`, `tests`, `idle_test`, `pydoc_data` (prose). Paths are sorted; a file is held
+out iff the first byte of `sha256(relative POSIX path)` is below {HELDOUT_BYTE} (≈5 %): {len(train)} train files,
+{len(held)} held-out files. Each file is wrapped as `<|bos|> text <|eos|>` and the files are concatenated.
+
+## Tokenizer
+
+`models/tokenizer/` (copied into every model): byte-level BPE trained with `tokenizers` on the train
+split, vocab {VOCAB} including `<|bos|>` (0), `<|eos|>` (1), `<|pad|>` (2); `add_special_tokens=True`
+prepends `<|bos|>`. Loads with `AutoTokenizer.from_pretrained`, offline.
+
+## Architecture and training
+
+`LlamaForCausalLM`, GQA, RoPE theta 1e5, `max_position_embeddings` 32768, head_dim 32, tied
+embeddings. AdamW (β 0.9/0.95, weight decay 0.1 on matrices), linear warm-up then cosine decay to
+10 % of the peak rate, gradient clipping 1.0, batches of 256-token windows drawn uniformly from the train
+stream with `torch.Generator().manual_seed({SEED})`, weights initialised under `torch.manual_seed({SEED})`.
+The 4× teacher's weights are stored in float16 to stay under 15 MB and load as float32.
+
+The machine's two cores were shared with several other jobs during training, so the wall times are
+upper bounds for an idle machine; see each card.
+
+## Reproduce
+
+```bash
+python scripts/train_reference.py --all          # tokenizer, three models, this page, the plot
+python scripts/train_reference.py --size student # one model
+python scripts/train_reference.py --docs         # redraw plot + tables from models/*/training_log.json
+```
+"""
+    (DOCS / "reference_models.md").write_text(doc)
+    readme = f"""# Bundled reference models
+
+Trained from scratch by `scripts/train_reference.py` on the Python standard library; details, loss
+curves and the split in [docs/reference_models.md](../docs/reference_models.md), per-model cards in
+each folder. `kvexport generate` uses `kvx-student` when no model is given.
+
+{table.replace("](../models/", "](")}
+`tokenizer/` is the shared byte-level BPE tokenizer (each model folder carries a copy).
+"""
+    (MODELS / "README.md").write_text(readme)
+    print("wrote", DOCS / "reference_models.md", MODELS / "README.md")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=list(SIZES), action="append", help="model(s) to train")
     ap.add_argument("--all", action="store_true", help="tokenizer + all three models + plot")
     ap.add_argument("--tokenizer", action="store_true", help="(re)train models/tokenizer")
-    ap.add_argument("--plot", action="store_true", help="redraw docs/reference_models_loss.png")
+    ap.add_argument(
+        "--docs",
+        "--plot",
+        dest="docs",
+        action="store_true",
+        help="redraw docs/reference_models_loss.png, docs/reference_models.md, models/README.md",
+    )
     ap.add_argument("--steps", type=int, help="override the step count (smoke runs)")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     a = ap.parse_args(argv)
@@ -374,8 +550,9 @@ def main(argv: list[str] | None = None) -> None:
         if a.steps:
             SIZES[k].steps = a.steps
         train(k, log=lambda m: print(m, flush=True), threads=a.threads)
-    if a.plot or a.all or keys:
+    if a.docs or a.all or keys:
         plot()
+        write_docs()
 
 
 if __name__ == "__main__":

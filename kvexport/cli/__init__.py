@@ -26,8 +26,10 @@ def _root(
 
 # subcommand modules register themselves on import
 from kvexport.cli import generate_cmd  # noqa: E402,F401
+from kvexport.cli import trt_cmds  # noqa: E402,F401
 from kvexport.cli import convert_cmds  # noqa: E402,F401
 from kvexport.cli import mla_cmds  # noqa: E402,F401
+from kvexport.cli import export_cmds  # noqa: E402,F401
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,8 @@ def convert_cmd(
                                             help="Also export the uncompressed baseline to compare with (default on)."),
     contexts: Optional[str] = typer.Option(None, "--contexts", help="Profile context lengths, e.g. 512,2048,8192."),
     decode_steps: Optional[int] = typer.Option(None, "--decode-steps", help="Timed decode steps per context."),
+    validate_steps: Optional[int] = typer.Option(None, "--validate-steps",
+                                                 help="Decode steps per prompt in the parity check (default 64)."),
     allow_partial: bool = typer.Option(False, "--allow-partial",
                                                  help="--target tensorrt without TensorRT: keep the ONNX result."),
     config: Optional[Path] = typer.Option(None, "--config", help="YAML/JSON file of settings (e.g. a saved "
@@ -60,7 +62,8 @@ def convert_cmd(
                  budget=budget, window=window, chunk=chunk, distill_teacher=distill_teacher,
                  distill_data=str(distill_data) if distill_data is not None else None,
                  distill_tokens=distill_tokens, target=target, fp16=fp16, validate=validate, profile=profile,
-                 baseline=baseline, contexts=contexts, decode_steps=decode_steps, allow_partial=True if allow_partial else None)
+                 baseline=baseline, contexts=contexts, decode_steps=decode_steps, validate_steps=validate_steps,
+                 allow_partial=True if allow_partial else None)
     cfg = base.merged(flags)
     console = Console(stderr=True)
     cj = run_convert(cfg, out, force=force, console=console)

@@ -42,6 +42,10 @@ def generate_cmd(
     prompts = list(prompt)
     if prompt_file is not None:
         prompts.append(read_prompt_file(prompt_file))
+    if model is not None and (Path(model) / "manifest.json").is_file():  # an ONNX export directory
+        from kvexport.cli.export_cmds import generate_from_export
+
+        return generate_from_export(Path(model), prompts, max_new_tokens)
     model_path = resolve_model(model)
     p = build_press(press, budget, ratio)
     tok = load_tokenizer(model_path)

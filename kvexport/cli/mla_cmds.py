@@ -190,7 +190,7 @@ def distill_cmd(
 ) -> None:
     """Distil an MLA student from a teacher's logits (forward KL), with checkpoints; `accelerate launch -m kvexport
     distill ...` runs the same command data-parallel over processes and machines."""
-    from kvexport.errors import BadUsage
+    from kvexport.errors import BadModel, BadUsage
     from kvexport.mla.distill import DistillConfig, check_out_dir, check_teacher, distill, read_tokens
     from kvexport.mla.io import is_mla_dir, load_mla
     from kvexport.models.loading import load_decoder, load_tokenizer
@@ -199,6 +199,10 @@ def distill_cmd(
                         save_every=save_every, seed=seed)
     out = out or Path(str(Path(student)).rstrip("/") + "-distilled")
     check_out_dir(out, resume)
+    if not data.is_file():
+        raise BadUsage(f"data file {data} does not exist")
+    if data.stat().st_size == 0:
+        raise BadUsage(f"data file {data} is empty")
     mla_dir = is_mla_dir(student)
     if mla_dir and (mla_rank is not None or mla_energy is not None):
         raise BadUsage(f"{student} is already an MLA model; drop --mla-rank/--mla-energy")
@@ -210,6 +214,11 @@ def distill_cmd(
         settings = _settings(mla_rank, mla_energy, rope_dim, rope_init)
         spec, _, _ = _spec_of(student)
         settings.check_model(spec.head_dim, spec.hidden_size, spec.num_kv_heads)
+    s_spec, _, _ = _spec_of(student)
+    t_spec, _, _ = _spec_of(teacher)
+    if s_spec.vocab_size != t_spec.vocab_size:
+        raise BadModel(f"teacher vocabulary ({t_spec.vocab_size} tokens) differs from the student's "
+                       f"({s_spec.vocab_size}); distillation needs the same tokenizer")
     s_tok = load_tokenizer(student)
     t_tok = load_tokenizer(teacher) if Path(teacher).is_dir() else None
     if mla_dir:

@@ -65,6 +65,8 @@ class ConvertConfig:
     allow_partial: bool = False
     contexts: list[int] = field(default_factory=lambda: list(DEFAULT_CONTEXTS))
     decode_steps: int = DEFAULT_DECODE_STEPS
+    #: decode steps per prompt in the parity check (kvexport validate's default is 64)
+    validate_steps: int = 64
     seed: int = 0
     #: filled by resolve(): True when the showcase defaults were applied
     showcase_defaults: bool = False
@@ -136,7 +138,8 @@ class ConvertConfig:
                 raise BadUsage(f"{source}: {name} must be an integer, got {v!r}")
             setattr(self, name, iv)
 
-        for name in ("mla_rank", "rope_dim", "budget", "window", "chunk", "distill_tokens", "decode_steps", "seed"):
+        for name in ("mla_rank", "rope_dim", "budget", "window", "chunk", "distill_tokens", "decode_steps",
+                     "validate_steps", "seed"):
             as_int(name)
         if self.mla_energy is not None:
             try:
@@ -214,7 +217,9 @@ class ConvertConfig:
             raise BadUsage("--allow-partial only applies to --target tensorrt (it keeps the ONNX result when "
                            "TensorRT is missing)")
         if self.decode_steps < 1:
-            raise BadUsage(f"decode_steps {self.decode_steps} must be >= 1")
+            raise BadUsage(f"--decode-steps {self.decode_steps} must be >= 1")
+        if self.validate_steps < 1:
+            raise BadUsage(f"--validate-steps {self.validate_steps} must be >= 1")
         if self.model is not None and not Path(self.model).exists():
             raise BadUsage(f"model directory {self.model} does not exist")
 

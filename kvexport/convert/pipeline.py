@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from kvexport.errors import KVExportError
@@ -65,7 +64,7 @@ class Pipeline:
         console = self.console or Console(stderr=True)
         self.records = [StageRecord(s.name) for s in self.stages]
         n = len(self.stages)
-        for i, (stage, rec) in enumerate(zip(self.stages, self.records)):
+        for i, (stage, rec) in enumerate(zip(self.stages, self.records, strict=False)):
             label = f"[{i + 1}/{n}] {stage.name}"
             if not stage.enabled:
                 rec.status, rec.note = "skipped", stage.skip_reason

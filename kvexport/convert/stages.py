@@ -22,6 +22,9 @@ from kvexport.convert.config import ConvertConfig, default_mla_rank, default_rop
 from kvexport.convert.pipeline import Pipeline, Stage, StageRecord
 from kvexport.errors import BadUsage, MissingBackend, ParityFailure
 
+#: tokens a distillation sees when --distill-tokens is not given
+DEFAULT_DISTILL_TOKENS = 65536
+
 
 @dataclass
 class ConvertState:
@@ -51,14 +54,13 @@ def mla_available() -> bool:
 def tensorrt_problem() -> str | None:
     """None when TensorRT engines can be built here, else one line saying what is missing."""
     try:
-        import importlib.util
-
-        if importlib.util.find_spec("tensorrt") is None:
-            return ("TensorRT is not installed (pip install 'kvexport[tensorrt]' on a machine with an NVIDIA GPU, or "
-                    "use JetPack's TensorRT on Jetson)")
-        import kvexport.tensorrt  # noqa: F401
+        from kvexport.tensorrt import import_tensorrt
     except ImportError as e:
         return f"kvexport's TensorRT support cannot be imported ({e})"
+    try:
+        import_tensorrt()
+    except MissingBackend as e:
+        return str(e)
     from kvexport.profile.memory import gpu_present
 
     if not gpu_present():
@@ -105,8 +107,16 @@ def resolve_settings(cfg: ConvertConfig) -> tuple[ConvertConfig, Path, Any]:
             raise BadUsage(f"--budget {cfg.budget} + --window {cfg.window} exceeds the model's {ctx_max} positions")
     if cfg.chunk > int(spec.max_position_embeddings):
         raise BadUsage(f"--chunk {cfg.chunk} exceeds the model's {spec.max_position_embeddings} positions")
-    if cfg.distills and Path(cfg.distill_teacher).exists():
+    if cfg.distills:
+        if not Path(cfg.distill_teacher).is_dir():
+            raise BadUsage(f"--distill-teacher {cfg.distill_teacher} is not a model directory")
         check_model_dir(cfg.distill_teacher)
+        t_spec = model_spec(cfg.distill_teacher)
+        if t_spec.vocab_size != spec.vocab_size:
+            raise BadUsage(f"the teacher's vocabulary ({t_spec.vocab_size} tokens) differs from the model's "
+                           f"({spec.vocab_size}); distillation needs the same tokenizer")
+        if cfg.distill_tokens is None:
+            cfg.distill_tokens = DEFAULT_DISTILL_TOKENS
     return cfg, model_path, spec
 
 
@@ -147,23 +157,34 @@ def stage_rewrite(st: ConvertState) -> str:
 
 
 def stage_distill(st: ConvertState) -> str:
-    try:
-        from kvexport.mla.distill import distill  # type: ignore[import-not-found]
-    except ImportError:
-        raise MissingBackend("this kvexport has no distillation (kvexport.mla.distill)") from None
+    """Forward-KL distillation of the MLA student against the teacher (kvexport.mla.distill), then DIR/mla
+    is replaced by the distilled model; the run's summary is kept as DIR/distill_summary.json."""
+    from kvexport.mla.distill import DistillConfig, check_teacher, distill, read_tokens
     from kvexport.mla.io import load_mla, save_mla
+    from kvexport.models.loading import load_decoder, load_tokenizer
 
+    cfg = st.cfg
+    tok = load_tokenizer(st.model_path)
+    ids = read_tokens(cfg.distill_data, tok, st.spec.vocab_size)
+    teacher, _ = load_decoder(cfg.distill_teacher, "fp32")
+    check_teacher(st.mla_decoder, teacher, tok, load_tokenizer(cfg.distill_teacher))
+    dcfg = DistillConfig(tokens=int(cfg.distill_tokens), seed=cfg.seed)
+    if ids.numel() <= dcfg.seq_len:
+        dcfg.seq_len = max(8, int(ids.numel()) - 1)
+    run_dir = st.work / "distill"
+    summary = distill(st.mla_decoder, teacher, ids, run_dir, dcfg, tokenizer_dir=st.model_path, progress=False)
     mla_dir = st.work / layout.MLA_DIR
-    result = distill(mla_dir, teacher=st.cfg.distill_teacher, data=st.cfg.distill_data,
-                     tokens=st.cfg.distill_tokens, out=st.work / "distill", seed=st.cfg.seed)
-    student = Path(getattr(result, "out_dir", None) or (st.work / "distill"))
-    dec = load_mla(student)
+    dec = load_mla(run_dir)
     shutil.rmtree(mla_dir)
     save_mla(dec, mla_dir, tokenizer_dir=st.model_path, hf_config=_hf_config(st.model_path))
-    shutil.rmtree(st.work / "distill", ignore_errors=True)
+    _write_json(st.work / "distill_summary.json", summary)
+    shutil.rmtree(run_dir, ignore_errors=True)
     st.mla_decoder = dec
-    loss = getattr(result, "final_loss", None) or (result.get("final_loss") if isinstance(result, dict) else None)
-    return f"distilled from {Path(st.cfg.distill_teacher).name}" + (f", final KL {loss:.4f}" if loss else "")
+    final = summary.get("final") or {}
+    st.notes["distill"] = {"steps": summary.get("steps"), "tokens": summary.get("tokens"), "final": final}
+    kl = final.get("kl")
+    return f"{summary.get('tokens')} tokens from {Path(cfg.distill_teacher).name}" + \
+        (f", final KL {kl:.4f}" if kl is not None else "")
 
 
 def stage_export(st: ConvertState) -> str:
@@ -178,15 +199,20 @@ def stage_export(st: ConvertState) -> str:
 
 
 def stage_engine(st: ConvertState) -> str:
+    """One TensorRT engine per exported graph into DIR/engine (kvexport.tensorrt.build_engine)."""
     problem = tensorrt_problem()
     if problem is not None:
         # only reached with --allow-partial (checked up front otherwise)
         st.engine_missing = problem
         return "skipped: " + problem
-    from kvexport.tensorrt import build_engine  # type: ignore[attr-defined]
+    from kvexport.tensorrt.engine import build_engine, find_onnx_graphs, write_build_record
 
-    build_engine(st.work / layout.ONNX_DIR, out=st.work / layout.ENGINE_DIR, fp16=st.cfg.fp16)
-    return f"{_dir_size(st.work / layout.ENGINE_DIR) / 2**20:.1f} MiB"
+    out = st.work / layout.ENGINE_DIR
+    out.mkdir()
+    reports = [build_engine(g, out / (g.stem + ".engine"), fp16=st.cfg.fp16)
+               for g in find_onnx_graphs(st.work / layout.ONNX_DIR)]
+    write_build_record(out, reports)
+    return f"{len(reports)} engines, {_dir_size(out) / 2**20:.1f} MiB, TensorRT {reports[0].tensorrt if reports else '?'}"
 
 
 def stage_validate(st: ConvertState) -> str:
@@ -199,16 +225,26 @@ def stage_validate(st: ConvertState) -> str:
 
     norm = normalize_parity(parity)
     if not norm["passed"]:
-        bad = [p["pair"] for p in norm["pairs"] if not p.get("passed")]
-        raise ParityFailure(f"parity FAILED for {', '.join(bad) or 'the export'} (see parity.json; rerun with "
-                            "--no-validate to keep the export anyway)")
+        bad = [p for p in norm["pairs"] if not p.get("passed")]
+        what = "; ".join(f"{p['pair']}: max abs logit error {p.get('max_abs_logit_error', float('nan')):.3g}, "
+                         f"token agreement {p.get('token_agreement', float('nan')):.3f}, "
+                         f"index agreement {p.get('index_agreement', float('nan')):.3f}" for p in bad)
+        raise ParityFailure(f"parity FAILED ({what or 'no backend pair compared'}); nothing was written, rerun "
+                            "with --no-validate to keep the export anyway")
     return f"PASSED ({', '.join(p['pair'] for p in norm['pairs'])})"
 
 
 def stage_profile(st: ConvertState) -> str:
     from kvexport.profile.run import profile_dir
 
-    backend = "tensorrt" if (st.cfg.target == "tensorrt" and st.engine_missing is None) else "onnxruntime"
+    backend = "onnxruntime"
+    if st.cfg.target == "tensorrt" and st.engine_missing is None:
+        try:
+            from kvexport.tensorrt import TrtGenerator  # type: ignore[attr-defined]  # noqa: F401
+
+            backend = "tensorrt"
+        except ImportError:  # engines built, but no step-wise TensorRT runtime to time them with
+            st.notes["profile_backend"] = "onnxruntime (kvexport.tensorrt has no step runtime yet)"
     prof = profile_dir(st.work, backend=backend, contexts=st.cfg.contexts, decode_steps=st.cfg.decode_steps,
                        baseline=st.cfg.baseline, seed=st.cfg.seed)
     conv = prof["variants"]["converted"]["contexts"][-1]
@@ -246,6 +282,8 @@ def convert_json(st: ConvertState, records: list[StageRecord]) -> dict[str, Any]
         "stages": [r.to_dict() for r in records],
         "reproduce": "kvexport convert --config DIR/convert.json --out NEW_DIR",
     }
+    if "distill" in st.notes:
+        out["distill"] = st.notes["distill"]
     if "mla_ranks" in st.notes:
         out["mla"] = {"kv_ranks": st.notes["mla_ranks"], "rope_dim": st.cfg.rope_dim}
     if st.engine_missing:

@@ -348,7 +348,8 @@ def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: P
     files["decode"] = {"file": "decode.onnx", "external_data": _save(m, tmp / "decode.onnx"), **_io(m)}
     if press is not None:
         kvp = [n for n in cout if not n.startswith("q")]
-        m = _export_graph(graphs.Compact(dec, press, budgets, window).eval(), tuple(cache), cin, kvp, custom)
+        m = _export_graph(graphs.Compact(dec, press, budgets, window).eval(),
+                          (torch.full((L,), 1, dtype=torch.long), *cache), ["fill"] + cin, kvp, custom)
         files["compact"] = {"file": "compact.onnx", "external_data": _save(m, tmp / "compact.onnx"), **_io(m)}
     files["layers"] = [dataclasses.asdict(s) for s in shapes]
     return files

@@ -87,10 +87,22 @@ class _CacheGraph(nn.Module):
                            rotary=getattr(attn, "score_rotary", attn.rotary), scaling=attn.scaling, layer_idx=i,
                            num_layers=len(self.shapes), n_keep=self.shapes[i].budget)
 
-    def keep(self, i: int, k, v, pos, queries, q_positions):
-        """Candidates (B, Hc, S, .) -> cache (B, Hc, cap_i, .): top budget_i in [0, budget_i), then empty slots."""
+    def keep(self, i: int, k, v, pos, queries, q_positions, n_occupied):
+        """Candidates (B, Hc, S, .) in cache order [occupied (n_occupied) ; empty] -> cache (B, Hc, cap_i, .):
+        the top budget_i in [0, budget_i), then empty slots.
+
+        The press sees the candidates rolled to [empty ; occupied], so that, as in the PyTorch cache, the
+        observation queries belong to the *last* candidates; its scores are rolled back before TopKGather,
+        so ties and empty picks follow the PyTorch cache's slot order.
+        """
         s = self.shapes[i]
-        scores = self.press.score(self.score_inputs(i, k, v, pos, queries, q_positions))
+        S = k.shape[2]
+        j = torch.arange(S, device=k.device)
+        to_scored = torch.remainder(j + n_occupied, S)  # scored[a] = cache[(a + m) mod S]
+        back = torch.remainder(j - n_occupied, S)  # cache[b] = scored[(b - m) mod S]
+        ks, vs, ps = k.index_select(2, to_scored), v.index_select(2, to_scored), pos.index_select(2, to_scored)
+        scores = self.press.score(self.score_inputs(i, ks, vs, ps, queries, q_positions))
+        scores = scores.index_select(2, back)
         kk, kv, kp, _ = ops.topk_gather(scores, k, v, pos, s.budget)
         W = s.capacity - s.budget
         B, H = k.shape[0], k.shape[1]
@@ -115,7 +127,6 @@ class PrefillChunk(_CacheGraph):
         B, C = input_ids.shape
         h = self.decoder.embed_tokens(input_ids)
         out = []
-        q_all = []
         for i, layer in enumerate(self.decoder.layers):
             k, v, pos = layers[i][0], layers[i][1], layers[i][2]
             cap = k.shape[2]
@@ -132,10 +143,9 @@ class PrefillChunk(_CacheGraph):
                 out += [kc[:, :, :cap], vc[:, :, :cap], pc[:, :, :cap]]
                 continue
             q_score = layer.self_attn.score_queries(q_pre)
-            out += list(self.keep(i, kc, vc, pc, q_score, positions))
+            out += list(self.keep(i, kc, vc, pc, q_score, positions, f + C))
             qb = layers[i][3]
             out.append(torch.cat([qb, q_score], dim=2)[:, :, -self.window :])
-            q_all.append(q_score)
         if self.press is not None:
             out.append(torch.cat([qpos, positions], dim=1)[:, -self.window :])
         hl = h.index_select(1, last_index)[:, 0]  # (B, H)
@@ -165,20 +175,19 @@ class DecodeStep(_CacheGraph):
                 out.append(torch.cat([layers[i][3], q_score], dim=2)[:, :, 1:])
         if self.press is not None:
             out.append(torch.cat([qpos, positions], dim=1)[:, 1:])
-        del B
         return (self.head(h[:, -1]), *out)
 
 
 class Compact(_CacheGraph):
     """Decode-time compaction of every layer: all slots scored with the last W decoded queries.
-    Inputs: the cache. Outputs: k_i, v_i, pos_i of every layer (qbuf and qpos are unchanged)."""
+    Inputs: fill (L,) int64 (occupied slots per layer), then the cache. Outputs: k_i, v_i, pos_i of every layer (qbuf and qpos are unchanged)."""
 
-    def forward(self, *cache):
+    def forward(self, fill, *cache):
         layers, qpos = self.split(cache)
         out = []
         for i in range(len(layers)):
             k, v, pos, qb = layers[i]
-            out += list(self.keep(i, k, v, pos, qb, qpos))
+            out += list(self.keep(i, k, v, pos, qb, qpos, fill[i]))
         return tuple(out)
 
 

@@ -228,8 +228,23 @@ def _translations() -> dict:
         return kvx.LatentAttention(q, latent, q_positions, latent_positions, rank=rank, scale=scale,
                                    plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION, _outputs=2)
 
+    from onnxscript import opset18 as op
+
+    def amax_onnx(self, dim=(), keepdim: bool = False):
+        # torch's full reduction ``x.max()`` lowers to aten.amax with no dim, which onnxscript's
+        # torch_lib refuses; ReduceMax without axes reduces every axis
+        if dim is None or len(dim) == 0:
+            return op.ReduceMax(self, keepdims=int(keepdim))
+        return op.ReduceMax(self, op.Constant(value_ints=list(dim)), keepdims=int(keepdim))
+
+    def amin_onnx(self, dim=(), keepdim: bool = False):
+        if dim is None or len(dim) == 0:
+            return op.ReduceMin(self, keepdims=int(keepdim))
+        return op.ReduceMin(self, op.Constant(value_ints=list(dim)), keepdims=int(keepdim))
+
     return {torch.ops.kvexport.topk_gather.default: topk_gather_onnx,
-            torch.ops.kvexport.latent_attention.default: latent_attention_onnx}
+            torch.ops.kvexport.latent_attention.default: latent_attention_onnx,
+            torch.ops.aten.amax.default: amax_onnx, torch.ops.aten.amin.default: amin_onnx}
 
 
 def translation_table() -> dict:

@@ -220,7 +220,7 @@ class OrtGenerator:
             res.step_logits.append(last)
             fill = [f + 1 for f in fill]
             if self.press is not None and any(f >= c for f, c in zip(fill, self.caps)):
-                self._run("compact", {})
+                self._run("compact", {"fill": np.array(fill, np.int64)})
                 fill = [min(f, b) for f, b in zip(fill, self.budgets)]
                 res.compactions += 1
                 if track_kept:

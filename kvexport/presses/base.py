@@ -58,8 +58,9 @@ class ScorerPress:
     compression_ratio: float | None = None
     budget: int | None = None
 
+    #: CLI name (the registry key in ``kvexport.presses.PRESSES``)
     name: ClassVar[str] = "base"
-    #: tokens the press always keeps (sinks, observation window): a budget must exceed it
+    #: no press reads the model's attention matrix (attention-based presses compute it from queries + keys)
     needs_attention: ClassVar[bool] = False
 
     def __post_init__(self):
@@ -73,7 +74,7 @@ class ScorerPress:
             )
 
     def always_kept(self) -> int:
-        """Tokens kept whatever their score (sinks, observation window)."""
+        """Tokens kept whatever their score (sinks, observation window): a ``budget`` must exceed it."""
         return 0
 
     def resolve_budget(self, n_tokens: int) -> int:

@@ -4,6 +4,10 @@ keep the first ``n_sink`` tokens and the most recent ones.
 
 Score = position for ordinary tokens, plus a large bonus for the ``n_sink`` earliest valid
 candidates, so top-k keeps sinks + the newest ``n_keep - n_sink``; identical to kvpress at prefill.
+Sinks are the first ``n_sink`` *valid* candidates in slot order, so left padding is skipped. Per chunk
+and at decode compaction the rule is the same (the sinks stay in the first kept slots), so a chunked
+prefill keeps exactly the single-shot set. Keys are not re-rotated after eviction (kvpress's
+KeyRerotationPress would do that; a static cache keeps true positions).
 """
 
 from __future__ import annotations

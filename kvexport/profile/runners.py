@@ -139,7 +139,7 @@ class OrtRunner:
             g._run("prefill", {"input_ids": ids_p[:, c * C:(c + 1) * C], "positions": pos_p[:, c * C:(c + 1) * C],
                                "last_index": np.array([last_index], np.int64), "fill": np.array(self.fill, np.int64)})
             if g.press is not None:
-                self.fill = [min(f + C, b) for f, b in zip(self.fill, g.budgets)]
+                self.fill = [min(f + C, b) for f, b in zip(self.fill, g.budgets, strict=False)]
             else:
                 self.fill = [f + C for f in self.fill]
         return int(self._logits().argmax(-1)[0])
@@ -154,9 +154,9 @@ class OrtRunner:
         g._run("decode", {"input_ids": tok, "positions": pos, "slot": np.array(self.fill, np.int64)})
         out = int(self._logits().argmax(-1)[0])
         self.fill = [f + 1 for f in self.fill]
-        if g.press is not None and any(f >= c for f, c in zip(self.fill, g.caps)):
+        if g.press is not None and any(f >= c for f, c in zip(self.fill, g.caps, strict=False)):
             g._run("compact", {})
-            self.fill = [min(f, b) for f, b in zip(self.fill, g.budgets)]
+            self.fill = [min(f, b) for f, b in zip(self.fill, g.budgets, strict=False)]
         return out
 
     # ------------------------------------------------------------------ the growing-past baseline
@@ -176,7 +176,7 @@ class OrtRunner:
         for name in outs_names:
             io.bind_output(name, g.device)
         sess.run_with_iobinding(io)
-        outs = dict(zip(outs_names, io.get_outputs()))
+        outs = dict(zip(outs_names, io.get_outputs(), strict=False))
         self.past = {n.replace("present_", "past_"): outs[n] for n in outs_names
                      if n.startswith("present_k") or n.startswith("present_v")}
         self.past_pos = outs["present_positions"].numpy()

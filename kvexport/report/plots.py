@@ -44,6 +44,9 @@ def _axes(title: str, ylabel: str, logy: bool = False):
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel(ylabel)
     ax.set_xscale("log", base=2)
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
     if logy:
         ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)

@@ -222,7 +222,9 @@ def build_sections(rep: dict[str, Any], plot_stems: dict[str, str]) -> list[Sect
         s = Section("Environment", "environment")
         s.blocks.append(Table(["", ""], [[k, fmt(v)] for k, v in env.items()]))
         secs.append(s)
-    return secs
+    order = ["summary", "parity", "plots", "cache", "latency", "memory", "accuracy", "settings", "stages",
+             "environment"]
+    return sorted(secs, key=lambda x: order.index(x.anchor) if x.anchor in order else len(order))
 
 
 # ----------------------------------------------------------------------------- HTML
@@ -244,9 +246,11 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}
 .pass{background:#dff5e1;color:#17692a;border:1px solid #8fd19e}
 .fail{background:#fde2e1;color:#9b1c1c;border:1px solid #f1a5a3}
 .none{background:#eef0f3;color:#555;border:1px solid #ccd}
-figure{display:inline-block;margin:8px 16px 8px 0;vertical-align:top}
-figure img{max-width:520px;border:1px solid #dde2e8}
-figcaption{font-size:12px;color:#555;max-width:520px}
+table.kv th{background:#f7f9fb;font-weight:600;width:1%;white-space:nowrap}
+.figs{display:grid;grid-template-columns:repeat(auto-fill,minmax(460px,1fr));gap:12px}
+figure{margin:0}
+figure img{width:100%;border:1px solid #dde2e8}
+figcaption{font-size:12px;color:#555}
 """
 
 # the page records whether each figure decoded (naturalWidth > 0): the browser test reads it back
@@ -282,14 +286,22 @@ def render_html(rep: dict[str, Any], plots: dict[str, tuple[str, bytes]]) -> str
            "<nav>" + "".join(f'<a href="#{s.anchor}">{html.escape(s.title)}</a>' for s in secs) + "</nav><main>"]
     for s in secs:
         out.append(f'<section id="{s.anchor}"><h2>{html.escape(s.title)}</h2>')
+        if s.anchor == "plots":
+            out.append('<div class="figs">')
         for b in s.blocks:
             if isinstance(b, str):
                 out.append(f"<p>{html.escape(b)}</p>")
             elif isinstance(b, Table):
-                out.append("<table><thead><tr>" + "".join(f"<th>{html.escape(str(h))}</th>" for h in b.headers)
-                           + "</tr></thead><tbody>")
+                kv = not any(str(h) for h in b.headers)  # key/value table: keys as row headers, no header row
+                out.append('<table class="kv">' if kv else "<table>")
+                if not kv:
+                    out.append("<thead><tr>" + "".join(f"<th>{html.escape(str(h))}</th>" for h in b.headers)
+                               + "</tr></thead>")
+                out.append("<tbody>")
                 for r in b.rows:
-                    out.append("<tr>" + "".join(_cell(c) for c in r) + "</tr>")
+                    cells = [f"<th>{html.escape(str(r[0]))}</th>"] + [_cell(c) for c in r[1:]] if kv else \
+                        [_cell(c) for c in r]
+                    out.append("<tr>" + "".join(cells) + "</tr>")
                 out.append("</tbody></table>")
             elif b[0] == "verdict":
                 cls = "none" if b[2] is None else ("pass" if b[2] else "fail")
@@ -300,6 +312,8 @@ def render_html(rep: dict[str, Any], plots: dict[str, tuple[str, bytes]]) -> str
                 out.append(f'<figure><img class="plot" id="plot-{b[1]}" alt="{cap}" '
                            f'src="data:image/png;base64,{data}"><figcaption>{cap}</figcaption></figure>')
         out.append("</section>")
+        if s.anchor == "plots":
+            out[-1] = "</div></section>"
     out.append('<p id="img-check" data-loaded="" data-total="">images not checked (scripts off)</p>')
     out.append(f"</main><script>{IMG_CHECK_JS}</script></body></html>")
     return "\n".join(out)

@@ -4,6 +4,9 @@
 //    (trtexec --staticPlugins, Python ctypes.CDLL). Compiled in unless KVEXPORT_STATIC_REGISTRATION=0.
 //  - getCreators / setLoggerFinder (extern "C"): TensorRT's IPluginRegistry::loadLibrary
 //    (trtexec --dynamicPlugins, --setPluginsToSerialize, Python registry.load_library).
+// loadLibrary dlopens the library (which runs the static registration) and then refuses creators that are registered
+// already; so, with static registration compiled in, getCreators first hands the statically registered creators back
+// (deregisters them) and returns its own, which TensorRT then registers under the library's handle.
 #include "../latent_attention/latentAttentionPlugin.h"
 #include "../topk_gather/topKGatherPlugin.h"
 #include "kvxDefs.h"
@@ -88,6 +91,21 @@ extern "C" KVX_API IPluginCreatorInterface* const* getCreators(int32_t& nbCreato
     static kvexport::TopKGatherPluginCreator sTopKGather;
     static kvexport::LatentAttentionPluginCreator sLatentAttention;
     static IPluginCreatorInterface* const kCreators[] = {&sTopKGather, &sLatentAttention};
+#if KVEXPORT_STATIC_REGISTRATION
+    IPluginRegistry* registry = getPluginRegistry();
+    if (registry != nullptr)
+    {
+        for (char const* name : {kvexport::TopKGatherPlugin::kNAME, kvexport::LatentAttentionPlugin::kNAME})
+        {
+            IPluginCreatorInterface* existing
+                = registry->getCreator(name, kvexport::kPLUGIN_VERSION, kvexport::kPLUGIN_NAMESPACE);
+            if (existing != nullptr && existing != kCreators[0] && existing != kCreators[1])
+            {
+                registry->deregisterCreator(*existing);
+            }
+        }
+    }
+#endif
     nbCreators = 2;
     return kCreators;
 }

@@ -116,24 +116,10 @@ __device__ __forceinline__ float warpSum(float x)
     return x;
 }
 
-//! Raw copy of 4 consecutive elements (aligned to 4 elements).
+//! Stages `nRows` rows of `dim` elements from a contiguous global block into float32 shared rows of stride `dp`
+//! (converted once here, so the inner loops do no conversions); rows >= validRows are zero-filled.
 template <typename T>
-__device__ __forceinline__ void copy4(T* dst, T const* src)
-{
-    if constexpr (sizeof(T) == 4)
-    {
-        *reinterpret_cast<float4*>(dst) = *reinterpret_cast<float4 const*>(src);
-    }
-    else
-    {
-        *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<uint2 const*>(src);
-    }
-}
-
-//! Copies `nRows` rows of `dim` elements from a contiguous global block into shared rows of stride `dp`;
-//! rows >= validRows are zero-filled.
-template <typename T>
-__device__ void stageRows(T* dst, T const* src, int32_t nRows, int32_t validRows, int32_t dim, int32_t dp)
+__device__ void stageRows(float* dst, T const* src, int32_t nRows, int32_t validRows, int32_t dim, int32_t dp)
 {
     if (dim % 4 == 0)
     {
@@ -142,18 +128,9 @@ __device__ void stageRows(T* dst, T const* src, int32_t nRows, int32_t validRows
         {
             int32_t const row = i / groups;
             int32_t const c = (i - row * groups) * 4;
-            if (row < validRows)
-            {
-                copy4(dst + row * dp + c, src + static_cast<int64_t>(row) * dim + c);
-            }
-            else
-            {
-                T const z = fromFloat<T>(0.0F);
-                dst[row * dp + c] = z;
-                dst[row * dp + c + 1] = z;
-                dst[row * dp + c + 2] = z;
-                dst[row * dp + c + 3] = z;
-            }
+            float4 const v = row < validRows ? load4(src + static_cast<int64_t>(row) * dim + c)
+                                             : make_float4(0.0F, 0.0F, 0.0F, 0.0F);
+            *reinterpret_cast<float4*>(dst + row * dp + c) = v;
         }
     }
     else
@@ -162,7 +139,7 @@ __device__ void stageRows(T* dst, T const* src, int32_t nRows, int32_t validRows
         {
             int32_t const row = i / dim;
             int32_t const c = i - row * dim;
-            dst[row * dp + c] = row < validRows ? src[static_cast<int64_t>(row) * dim + c] : fromFloat<T>(0.0F);
+            dst[row * dp + c] = row < validRows ? toFloat(src[static_cast<int64_t>(row) * dim + c]) : 0.0F;
         }
     }
 }
@@ -175,8 +152,8 @@ __global__ void __launch_bounds__(kMaxRowsPerBlock / kRowsPerWarp * 32) latentSp
     float* __restrict__ partSum, float* __restrict__ partAcc)
 {
     extern __shared__ __align__(16) unsigned char smemRaw[];
-    T* sQ = reinterpret_cast<T*>(smemRaw);       // (rowsPerBlock, dp)
-    T* sTile = sQ + rowsPerBlock * dp;            // (kTileSlots, dp)
+    float* sQ = reinterpret_cast<float*>(smemRaw); // (rowsPerBlock, dp) float32
+    float* sTile = sQ + rowsPerBlock * dp;         // (kTileSlots, dp) float32
 
     int32_t const split = blockIdx.x;
     int32_t const row0 = blockIdx.y * rowsPerBlock;
@@ -233,8 +210,8 @@ __global__ void __launch_bounds__(kMaxRowsPerBlock / kRowsPerWarp * 32) latentSp
         {
             dot[r] = 0.0F;
         }
-        T const* myRow = sTile + lane * dp;
-        T const* qRows = sQ + warp * kRowsPerWarp * dp;
+        float const* myRow = sTile + lane * dp;
+        float const* qRows = sQ + warp * kRowsPerWarp * dp;
         for (int32_t d = 0; d < dim4; d += 4)
         {
             float4 const t = load4(myRow + d);
@@ -247,11 +224,11 @@ __global__ void __launch_bounds__(kMaxRowsPerBlock / kRowsPerWarp * 32) latentSp
         }
         for (int32_t d = dim4; d < dim; ++d)
         {
-            float const t = toFloat(myRow[d]);
+            float const t = myRow[d];
 #pragma unroll
             for (int32_t r = 0; r < kRowsPerWarp; ++r)
             {
-                dot[r] = fmaf(toFloat(qRows[r * dp + d]), t, dot[r]);
+                dot[r] = fmaf(qRows[r * dp + d], t, dot[r]);
             }
         }
 
@@ -286,7 +263,7 @@ __global__ void __launch_bounds__(kMaxRowsPerBlock / kRowsPerWarp * 32) latentSp
             for (int32_t i = 0; i < RPL; ++i)
             {
                 int32_t const c = lane + 32 * i;
-                tv[i] = c < rank ? toFloat(sTile[j * dp + c]) : 0.0F;
+                tv[i] = c < rank ? sTile[j * dp + c] : 0.0F;
             }
 #pragma unroll
             for (int32_t r = 0; r < kRowsPerWarp; ++r)
@@ -432,7 +409,7 @@ cudaError_t launchTyped(LatentAttentionParams const& p, cudaStream_t stream)
 
     // rows per block: all rows of a decode step when shared memory allows, else fewer (more query groups)
     int32_t rowsPerBlock = static_cast<int32_t>(std::min<int64_t>(kMaxRowsPerBlock, ceilDiv(rows, kRowsPerWarp) * kRowsPerWarp));
-    auto smemFor = [&](int32_t rpb) { return static_cast<size_t>(rpb + kTileSlots) * dp * sizeof(T); };
+    auto smemFor = [&](int32_t rpb) { return static_cast<size_t>(rpb + kTileSlots) * dp * sizeof(float); };
     while (rowsPerBlock > kRowsPerWarp && smemFor(rowsPerBlock) > static_cast<size_t>(smemOptin))
     {
         rowsPerBlock = std::max(kRowsPerWarp, rowsPerBlock / 2 / kRowsPerWarp * kRowsPerWarp);

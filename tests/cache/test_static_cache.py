@@ -37,7 +37,7 @@ def check_kept(snapshot: list[torch.Tensor], budgets: list[int], n_tokens) -> No
     """Right after a compaction (snapshot: per layer positions (B, Hkv, fill)): exactly
     min(budget, tokens so far) valid slots per (batch, head), positions strictly increasing."""
     n_tokens = torch.as_tensor(n_tokens).reshape(-1)
-    for pos, budget in zip(snapshot, budgets):
+    for pos, budget in zip(snapshot, budgets, strict=True):
         for b in range(pos.shape[0]):
             want = min(budget, int(n_tokens[b if n_tokens.numel() > 1 else 0]))
             for h in range(pos.shape[1]):
@@ -99,13 +99,11 @@ def test_prompt_lengths(model, name, n):
         torch.testing.assert_close(res.prompt_logits, full.prompt_logits, atol=1e-5, rtol=1e-5)
         # no eviction before the cache first fills: budget + window - n decode steps
         safe = min(budgets) + WINDOW - n - 1
-        for a, b in zip(res.step_logits[:safe], full.step_logits[:safe]):
+        for a, b in zip(res.step_logits[:safe], full.step_logits[:safe], strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert res.compactions >= 1 and len(res.kept_positions) == res.compactions
-    first = min(budgets) + WINDOW if n <= min(budgets) else min(budgets) + WINDOW  # slots when first full
     for snap in res.kept_positions:
         check_kept(snap, budgets, int(max(p.max() for p in snap)) + 1)
-    assert first > 0
 
 
 def padded_batch(lens: list[int], seed: int = 10) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
@@ -140,11 +138,11 @@ def test_left_padding_batch_of_three(model, name):
         alone = generate(dec, r[None], press=build_press(name, dec, r[None]), window=WINDOW, max_new_tokens=30,
                          keep_logits=True, track_kept=True)
         assert torch.equal(alone.tokens[0], res.tokens[i])
-        for a, b in zip(alone.step_logits, res.step_logits):
+        for a, b in zip(alone.step_logits, res.step_logits, strict=True):
             torch.testing.assert_close(a[0], b[i], atol=1e-4, rtol=1e-4)
         assert len(alone.kept_positions) == len(res.kept_positions)
-        for snap_a, snap_b in zip(alone.kept_positions, res.kept_positions):
-            for la, lb in zip(snap_a, snap_b):
+        for snap_a, snap_b in zip(alone.kept_positions, res.kept_positions, strict=True):
+            for la, lb in zip(snap_a, snap_b, strict=True):
                 for h in range(la.shape[1]):
                     pa, pb = la[0, h], lb[i, h]
                     assert pa[pa >= 0].tolist() == pb[pb >= 0].tolist()
@@ -177,7 +175,7 @@ def test_left_padding_short_rows(model, name):
         alone = generate(dec, r[None], press=build_press(name, dec, r[None]), window=WINDOW, max_new_tokens=20,
                          keep_logits=True)
         torch.testing.assert_close(alone.prompt_logits[0], res.prompt_logits[i], atol=1e-4, rtol=1e-4)
-        for a, b in zip(alone.step_logits[: first - 1], res.step_logits[: first - 1]):
+        for a, b in zip(alone.step_logits[: first - 1], res.step_logits[: first - 1], strict=True):
             torch.testing.assert_close(a[0], b[i], atol=1e-4, rtol=1e-4)
 
 
@@ -194,7 +192,7 @@ def test_chunk_at_least_prompt_equals_single_shot(model, name):
         logits = prefill(dec, cache, ids, pos, chunk=chunk)
         kept.append((cache.kept_positions(), logits[:, -1]))
     for kp, lg in kept[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(kp, kept[0][0]))
+        assert all(torch.equal(a, b) for a, b in zip(kp, kept[0][0], strict=True))
         torch.testing.assert_close(lg, kept[0][1], atol=0, rtol=0)
 
 
@@ -202,7 +200,9 @@ def test_chunk_at_least_prompt_equals_single_shot(model, name):
 @torch.no_grad()
 def test_small_chunks_equal_single_shot_for_chunk_invariant_presses(model, name):
     """Knorm scores a key by itself and StreamingLLM by position, so keeping the top ``budget`` after
-    every 7-token chunk keeps the same set as one top-``budget`` over the whole prompt."""
+    every 7-token chunk keeps the same set as one top-``budget`` over the whole prompt: in every layer
+    for StreamingLLM, in layer 0 for Knorm (deeper keys change: later chunks attend to a compacted
+    cache, so their hidden states differ from a single-shot prefill's)."""
     _, dec = model
     ids = prompt(61, seed=4)
     pos = torch.arange(61)[None]
@@ -215,7 +215,9 @@ def test_small_chunks_equal_single_shot_for_chunk_invariant_presses(model, name)
         out.append(cache.kept_positions())
     if name == "streaming_llm":
         assert out[0][0][0, 0].tolist() == [0, 1, 2, 3] + list(range(61 - BUDGET + 4, 61))
-    assert all(torch.equal(a, b) for a, b in zip(*out))
+        assert all(torch.equal(a, b) for a, b in zip(*out, strict=True))
+    else:
+        assert torch.equal(out[0][0], out[1][0])
 
 
 @pytest.mark.parametrize("name", ALL_PRESSES)
@@ -232,7 +234,7 @@ def test_kept_tokens_keep_their_rope(model, name):
     prefill(dec, full, ids, pos)
     cache = dec.new_cache(1, press, press.layer_budgets(dec.spec.num_layers, 45), WINDOW)
     prefill(dec, cache, ids, pos)
-    for lf, lc in zip(full.layers, cache.layers):
+    for lf, lc in zip(full.layers, cache.layers, strict=True):
         p = lc.pos[:, :, : lc.fill]  # (1, Hkv, budget)
         ref = lf.k[:, :, :45].gather(2, p[..., None].expand(*p.shape, lf.k.shape[-1]))
         torch.testing.assert_close(lc.k[:, :, : lc.fill], ref, atol=1e-6, rtol=1e-6)

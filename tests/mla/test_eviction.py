@@ -46,7 +46,7 @@ def reference_kept(mla, press, ids):
     for hk in hooks:
         hk.remove()
     kept = []
-    for i, (layer, h) in enumerate(zip(mla.layers, caught)):
+    for i, (layer, h) in enumerate(zip(mla.layers, caught, strict=True)):
         attn = layer.self_attn
         lc = cache.layers[i]
         k, v, p = lc.occupied()
@@ -74,7 +74,7 @@ def test_press_on_latent_cache(mla_model, name):
         mla_model(ids, torch.arange(N)[None], cache)
     got = [lc.pos[:, :, : lc.fill].clone() for lc in cache.layers]
     want = reference_kept(mla_model, press, ids)
-    for g, w, b in zip(got, want, budgets):
+    for g, w, b in zip(got, want, budgets, strict=True):
         assert g.shape == (1, 1, b)
         assert torch.equal(g, w)
     # decoding past capacity compacts in place: same buffers, same shapes
@@ -83,7 +83,8 @@ def test_press_on_latent_cache(mla_model, name):
             mla_model(ids[:, t : t + 1], torch.tensor([[N + t]]), cache, mode="decode")
     assert cache.compactions >= 2
     assert [(lc.k.data_ptr(), lc.k.shape, lc.v.shape) for lc in cache.layers] == ptrs
-    assert all(lc.k.shape == (1, 1, b + WINDOW, 24) and lc.v.shape[-1] == 0 for lc, b in zip(cache.layers, budgets))
+    assert all(lc.k.shape == (1, 1, b + WINDOW, 24) and lc.v.shape[-1] == 0
+               for lc, b in zip(cache.layers, budgets, strict=True))
 
 
 @pytest.mark.parametrize("name", ["snapkv", "knorm", "tova", "expected_attention", "streaming_llm"])

@@ -34,7 +34,7 @@ def test_full_rank_latent_is_exact(tiny_models, family, kw):
     h = torch.randn(2, 9, dec.spec.hidden_size, generator=torch.Generator().manual_seed(0))
     pos = torch.arange(9).expand(2, 9)
     with torch.no_grad():
-        for layer_o, layer_m in zip(dec.layers, mla.layers):
+        for layer_o, layer_m in zip(dec.layers, mla.layers, strict=True):
             a, m = layer_o.self_attn, layer_m.self_attn
             G = a.num_heads // a.num_kv_heads
             _, _, v = a.project(h, pos)
@@ -50,7 +50,7 @@ def test_full_rank_latent_is_exact(tiny_models, family, kw):
 
 
 @pytest.mark.parametrize("family,kw", [f for f in FAMILIES if f[0] != "qwen3"],
-                         ids=[i for f, i in zip(FAMILIES, FAMILY_IDS) if f[0] != "qwen3"])
+                         ids=[i for f, i in zip(FAMILIES, FAMILY_IDS, strict=True) if f[0] != "qwen3"])
 @pytest.mark.parametrize("rope_init", ["xeco", "norm"])
 def test_full_rank_kl_is_the_rope_change_alone(tiny_models, family, kw, rope_init):
     """KL(original || MLA at full rank) is bounded by the KL of the partial-RoPE/shared-key change alone
@@ -59,7 +59,7 @@ def test_full_rank_kl_is_the_rope_change_alone(tiny_models, family, kw, rope_ini
     dec = Decoder.from_hf(tiny_models(family, **kw))
     mla = rewrite_to_mla(dec, MLASettings(kv_rank=full_rank(dec.spec, 8), rope_dim=8, rope_init=rope_init))
     ref = copy.deepcopy(dec)
-    for lr, lm in zip(ref.layers, mla.layers):
+    for lr, lm in zip(ref.layers, mla.layers, strict=True):
         lr.self_attn = PartialRopeReference(lr.self_attn, lm.self_attn.plan.rope_pairs)
     with torch.no_grad():
         orig, got, want = dec(IDS, POS), mla(IDS, POS), ref(IDS, POS)
@@ -88,7 +88,7 @@ def test_error_grows_as_rank_shrinks(tiny_models, family, kw):
         orig = dec(IDS, POS)
         for r in (top, top // 2, 8, 2):
             kls.append(kl(orig, rewrite_to_mla(dec, MLASettings(kv_rank=r, rope_dim=8))(IDS, POS)))
-    assert all(a < b for a, b in zip(kls, kls[1:])), kls
+    assert all(a < b for a, b in zip(kls, kls[1:], strict=False)), kls
 
 
 def test_energy_rank():
@@ -109,7 +109,7 @@ def test_energy_setting_picks_per_layer_ranks(tiny_models):
     hi = rewrite_to_mla(dec, MLASettings(energy=1.0, rope_dim=8))
     assert all(p.kv_rank % 8 == 0 for p in lo.mla_plans)
     assert all(p.kv_rank == full_rank(dec.spec, 8) for p in hi.mla_plans)
-    assert all(a.kv_rank < b.kv_rank for a, b in zip(lo.mla_plans, hi.mla_plans))
+    assert all(a.kv_rank < b.kv_rank for a, b in zip(lo.mla_plans, hi.mla_plans, strict=True))
     assert lo.layers[0].self_attn.key_dim == lo.mla_plans[0].kv_rank + 8
 
 

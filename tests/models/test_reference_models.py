@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ MAX_BYTES = 15 * 1024 * 1024
 def _script():
     spec = importlib.util.spec_from_file_location("train_reference", REPO_ROOT / "scripts" / "train_reference.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("train_reference", mod)  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -73,7 +75,7 @@ def test_transformers_autoclasses_load(model):
     name, path, _, hf, _ = model
     auto = AutoModelForCausalLM.from_pretrained(str(path))
     assert auto.dtype == torch.float32
-    for (k, a), b in zip(auto.state_dict().items(), hf.state_dict().values()):
+    for (k, a), b in zip(auto.state_dict().items(), hf.state_dict().values(), strict=True):
         assert torch.equal(a, b), k
     tok = AutoTokenizer.from_pretrained(str(path))
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (0, 1, 2)
@@ -113,4 +115,4 @@ def test_greedy_generation_matches_hf(model):
     res = generate(decoder, ids, max_new_tokens=12)
     with torch.no_grad():
         ref = hf.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
-    assert torch.equal(res.tokens, ref[:, ids.shape[1]:])
+    assert torch.equal(res.tokens, ref[:, ids.shape[1] :])

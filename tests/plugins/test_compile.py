@@ -80,7 +80,11 @@ def kernel_objects(tmp_path_factory) -> dict[str, Path | str]:
 
 def test_sources_present():
     assert {p.name for p in CU_SOURCES} == {"topKGatherKernel.cu", "latentAttentionKernel.cu"}
-    assert {p.name for p in CPP_SOURCES} == {"pluginRegistration.cpp", "topKGatherPlugin.cpp", "latentAttentionPlugin.cpp"}
+    assert {p.name for p in CPP_SOURCES} == {
+        "pluginRegistration.cpp",
+        "topKGatherPlugin.cpp",
+        "latentAttentionPlugin.cpp",
+    }
     for p in [*CU_SOURCES, *CPP_SOURCES, *PLUGINS.rglob("*.h"), *PLUGINS.rglob("*.cuh")]:
         assert p.read_text().startswith("// SPDX-License-Identifier: Apache-2.0"), p
 
@@ -92,8 +96,11 @@ def test_kernel_compiles_sm87_sm90(kernel_objects, name):
     assert isinstance(res, Path), f"nvcc failed for {name}:\n{res}"
     assert res.stat().st_size > 0
     # both architectures are in the fat binary
-    listing = _run([str(Path(NVCC).parent / "cuobjdump"), "--list-elf", str(res)], res.parent) if (
-        Path(NVCC).parent / "cuobjdump").exists() else None
+    listing = (
+        _run([str(Path(NVCC).parent / "cuobjdump"), "--list-elf", str(res)], res.parent)
+        if (Path(NVCC).parent / "cuobjdump").exists()
+        else None
+    )
     if listing is not None and listing.returncode == 0:
         for a in ARCHS:
             assert f"sm_{a}" in listing.stdout, listing.stdout
@@ -108,8 +115,24 @@ def test_plugin_source_compiles_against_tensorrt_headers(tmp_path, src):
         pytest.skip("no host C++ compiler")
     inc = _cuda_include(NVCC)
     assert inc is not None, "CUDA include dir not found next to nvcc"
-    r = _run([cxx, "-std=c++17", "-Wall", "-Wextra", "-c", "-fPIC", "-isystem", TRT_INCLUDE, "-isystem", str(inc),
-              str(src), "-o", str(tmp_path / "x.o")], tmp_path)
+    r = _run(
+        [
+            cxx,
+            "-std=c++17",
+            "-Wall",
+            "-Wextra",
+            "-c",
+            "-fPIC",
+            "-isystem",
+            TRT_INCLUDE,
+            "-isystem",
+            str(inc),
+            str(src),
+            "-o",
+            str(tmp_path / "x.o"),
+        ],
+        tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     ours = [ln for ln in r.stderr.splitlines() if "warning:" in ln and str(PLUGINS) in ln]
     assert not ours, "\n".join(ours)
@@ -123,9 +146,23 @@ def test_plugin_host_checks_pass(tmp_path, kernel_objects):
     assert all(isinstance(o, Path) for o in objs), objs
     exe = tmp_path / "plugin_host_check"
     srcs = [ROOT / "tests/plugins/plugin_host_check.cpp", *CPP_SOURCES]
-    r = _run([NVCC, "-std=c++17", "-DKVEXPORT_STATIC_REGISTRATION=0", "-Xcompiler", "-Wno-deprecated-declarations",
-              "-isystem", TRT_INCLUDE, "-gencode=arch=compute_90,code=sm_90", *map(str, srcs), *map(str, objs),
-              "-o", str(exe)], tmp_path)
+    r = _run(
+        [
+            NVCC,
+            "-std=c++17",
+            "-DKVEXPORT_STATIC_REGISTRATION=0",
+            "-Xcompiler",
+            "-Wno-deprecated-declarations",
+            "-isystem",
+            TRT_INCLUDE,
+            "-gencode=arch=compute_90,code=sm_90",
+            *map(str, srcs),
+            *map(str, objs),
+            "-o",
+            str(exe),
+        ],
+        tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     run = _run([str(exe)], tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -144,8 +181,13 @@ def test_cmake_kernels_only_build(tmp_path):
         pytest.skip("cmake not found")
     build = tmp_path / "build"
     env = {**os.environ, "CUDACXX": NVCC}
-    r = subprocess.run([cmake, "-S", str(PLUGINS), "-B", str(build), "-DKVEXPORT_KERNELS_ONLY=ON",
-                        "-DCMAKE_CUDA_ARCHITECTURES=90"], capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run(
+        [cmake, "-S", str(PLUGINS), "-B", str(build), "-DKVEXPORT_KERNELS_ONLY=ON", "-DCMAKE_CUDA_ARCHITECTURES=90"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     r = subprocess.run([cmake, "--build", str(build), "-j2"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -155,5 +197,10 @@ def test_cmake_kernels_only_build(tmp_path):
     if nm:
         syms = subprocess.run([nm, "-D", "--defined-only", str(lib)], capture_output=True, text=True).stdout
         exported = {ln.split()[-1] for ln in syms.splitlines() if " T " in ln}
-        assert {"kvx_topk_gather", "kvx_latent_attention", "kvx_latent_attention_workspace_size",
-                "kvx_abi_version", "kvx_topk_gather_max_slots"} <= exported
+        assert {
+            "kvx_topk_gather",
+            "kvx_latent_attention",
+            "kvx_latent_attention_workspace_size",
+            "kvx_abi_version",
+            "kvx_topk_gather_max_slots",
+        } <= exported

@@ -69,9 +69,9 @@ def test_kept_indices_equal_kvpress(family, press_name, ratio):
     rec = next(r for r in RECORD["kept"] if (r["family"], r["press"], r["ratio"]) == (family, press_name, ratio))
     ours = kept_sets(family, press_name, ratio)
     assert len(ours) == len(rec["layers"])
-    for li, (our_layer, ref_layer) in enumerate(zip(ours, rec["layers"])):
-        for b, (our_row, ref_row) in enumerate(zip(our_layer, ref_layer)):
-            for h, (mine, ref_hex) in enumerate(zip(our_row, ref_row)):
+    for li, (our_layer, ref_layer) in enumerate(zip(ours, rec["layers"], strict=True)):
+        for b, (our_row, ref_row) in enumerate(zip(our_layer, ref_layer, strict=True)):
+            for h, (mine, ref_hex) in enumerate(zip(our_row, ref_row, strict=True)):
                 ref = unpack(ref_hex)
                 assert len(mine) == len(ref), f"layer {li} b{b} h{h}: kept {len(mine)} tokens, kvpress {len(ref)}"
                 if mine == ref:

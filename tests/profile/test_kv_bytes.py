@@ -49,8 +49,8 @@ def test_llama_1b_ratios_match_mla_accounting(rank, ratio):
     t = cache_table(shape, [4096])
     assert t["per_token_ratio"] == pytest.approx(ratio, abs=0.01)
     acc = pytest.importorskip("kvexport.mla.accounting")
-    from kvexport.models.tiny import tiny_config
     from kvexport.models.spec import ModelSpec
+    from kvexport.models.tiny import tiny_config
 
     spec = ModelSpec.from_hf_config(tiny_config("llama", hidden_size=2048, layers=16, heads=32, kv_heads=8,
                                                 head_dim=64))

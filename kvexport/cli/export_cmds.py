@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``kvexport export`` (ONNX graphs with static caches) and ``kvexport validate`` (parity vs PyTorch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from kvexport.cli import app
+from kvexport.cli.common import PRESS_HELP, resolve_model
+
+
+@app.command("export")
+def export_cmd(
+    model: Optional[str] = typer.Argument(None, help="HF model directory. Default: the bundled reference student."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output directory (written atomically)."),
+    press: str = typer.Option("none", help=PRESS_HELP + " Not exportable: random, optimal."),
+    budget: Optional[int] = typer.Option(None, help="Tokens kept per layer and cache head after each compaction."),
+    window: int = typer.Option(32, help="Decode slots appended before the next compaction (capacity = budget + window)."),
+    mla_rank: Optional[int] = typer.Option(None, "--mla-rank", help="Rewrite to MLA with this latent rank r_kv first."),
+    rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help="MLA decoupled RoPE width d_rope (default 32)."),
+    batch: int = typer.Option(1, help="Static batch size of the graphs."),
+    chunk: int = typer.Option(128, help="Prefill chunk length C (the prompt is fed C tokens at a time)."),
+    dtype: str = typer.Option("fp32", help="fp32 or fp16."),
+    ops: str = typer.Option("custom", help="custom: kvexport::TopKGather / LatentAttention nodes (backed by ONNX "
+                            "functions); standard: plain ONNX ops only."),
+    dynamic_cache: bool = typer.Option(False, "--dynamic-cache", help="Full cache with a growing past (baseline; "
+                                       "needs --press none)."),
+    max_positions: Optional[int] = typer.Option(None, "--max-positions", help="Longest context (press none: the "
+                                                "static cache capacity). Default: the model's max_position_embeddings."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty --out."),
+) -> None:
+    """Export to ONNX: prefill-chunk, decode and compaction graphs with fixed-shape caches."""
+    import time
+
+    from rich.console import Console
+
+    from kvexport.export import export_model
+
+    t0 = time.perf_counter()
+    path = export_model(resolve_model(model), out, press=press, budget=budget, window=window, mla_rank=mla_rank,
+                        rope_dim=rope_dim, batch=batch, chunk=chunk, dtype=dtype, ops=ops,
+                        dynamic_cache=dynamic_cache, force=force, max_positions=max_positions)
+    from kvexport.export.manifest import read_manifest
+
+    m = read_manifest(path)
+    files = ", ".join(sorted(m["files"]))
+    Console().print(f"exported to {path} in {time.perf_counter() - t0:.1f}s: {files}", highlight=False)
+
+
+@app.command("validate")
+def validate_cmd(
+    directory: Path = typer.Argument(..., help="An export directory written by `kvexport export`."),
+    model: Optional[str] = typer.Option(None, help="The PyTorch model (default: the source recorded in the manifest)."),
+    prompt: list[str] = typer.Option([], "--prompt", "-p", help="Prompt text (repeatable). Default: random token "
+                                     "ids with lengths below, at and above the budget and over several chunks."),
+    steps: int = typer.Option(64, help="Decode steps per prompt."),
+    atol: Optional[float] = typer.Option(None, help="Absolute logit tolerance (default fp32 1e-4, fp16 5e-2)."),
+    rtol: Optional[float] = typer.Option(None, help="Relative logit tolerance (default fp32 1e-3, fp16 5e-2)."),
+) -> None:
+    """Compare the ONNX graphs (onnxruntime) with the PyTorch model; writes DIR/parity.json, exit 6 on failure."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvexport.errors import ParityFailure
+    from kvexport.export.validate import PARITY_FILE, validate
+
+    rep = validate(directory, prompts=list(prompt) or None, steps=steps, atol=atol, rtol=rtol, model=model)
+    t = Table(title=f"parity: {directory}")
+    for col in ("pair", "max abs", "max rel", "tokens", "kept idx", "steps", "atol", "rtol", "passed"):
+        t.add_column(col)
+    for name, p in rep["pairs"].items():
+        t.add_row(name, f"{p['max_abs_logit_error']:.2e}", f"{p['max_rel_logit_error']:.2e}",
+                  f"{p['token_agreement']:.3f}", f"{p['index_agreement']:.3f}", str(p["steps"]),
+                  f"{p['tolerances']['atol']:g}", f"{p['tolerances']['rtol']:g}", "yes" if p["passed"] else "NO")
+    Console().print(t)
+    failed = [n for n, p in rep["pairs"].items() if not p["passed"]]
+    if failed:
+        raise ParityFailure(f"{', '.join(failed)} outside tolerance; details in {Path(directory) / PARITY_FILE}")
+
+
+def generate_from_export(directory: Path, prompts: list[str], max_new_tokens: int) -> None:
+    """``kvexport generate DIR``: greedy generation with onnxruntime from an export directory."""
+    import time
+
+    from rich.console import Console
+
+    from kvexport.cli.common import encode_prompts
+    from kvexport.errors import BadUsage
+    from kvexport.export.runtime import OrtGenerator
+    from kvexport.models.loading import load_tokenizer
+
+    gen = OrtGenerator(directory)
+    s = gen.settings
+    tok = load_tokenizer(directory / s["tokenizer"]) if s.get("tokenizer") else None
+    if tok is None:
+        raise BadUsage(f"{directory} has no tokenizer/; export from a model directory that has tokenizer.json")
+    ids, mask = encode_prompts(tok, prompts)
+    if ids.shape[0] != gen.batch:
+        raise BadUsage(f"{directory} was exported with --batch {gen.batch}; give {gen.batch} prompt(s), "
+                       f"got {ids.shape[0]}")
+    t0 = time.perf_counter()
+    res = gen.generate(ids.numpy(), mask.numpy(), max_new_tokens, eos_token_id=tok.eos_token_id, track_kept=False)
+    dt = time.perf_counter() - t0
+    console = Console()
+    for i in range(ids.shape[0]):
+        console.print(f"[bold]{prompts[i][:60]!r}[/] -> {tok.decode(res.tokens[i].tolist())!r}", highlight=False)
+    console.print(f"[dim]{res.tokens.shape[1]} tokens in {dt:.2f}s with onnxruntime ({gen.providers[0]}); "
+                  f"{s['mode']} cache {res.cache_bytes / 1024:.1f} KiB; {res.compactions} compactions[/]")

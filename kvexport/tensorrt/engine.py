@@ -1,0 +1,151 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Building TensorRT engines from kvexport's ONNX graphs (TensorRT Python API, static shapes)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvexport.errors import BadArtifact, BadUsage, MissingBackend
+from kvexport.tensorrt.backend import import_tensorrt, parse_version
+from kvexport.tensorrt.onnx_prep import prepare_onnx_for_trt
+from kvexport.tensorrt.plugins import load_plugins
+
+
+@dataclass
+class EngineReport:
+    """One built engine."""
+
+    onnx: str
+    engine: str
+    tensorrt: str
+    fp16: bool
+    plugin_nodes: dict[str, int] = field(default_factory=dict)
+    stripped_functions: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    bytes: int = 0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class _Logger:
+    """A TensorRT logger that keeps the errors for one-line messages."""
+
+    def __init__(self, trt):
+        class L(trt.ILogger):
+            def __init__(self):
+                trt.ILogger.__init__(self)
+                self.errors: list[str] = []
+
+            def log(self, severity, msg):
+                if severity in (trt.ILogger.Severity.ERROR, trt.ILogger.Severity.INTERNAL_ERROR):
+                    self.errors.append(msg)
+
+        self.logger = L()
+
+
+def _require_gpu(trt, logger) -> object:
+    try:
+        builder = trt.Builder(logger)
+    except Exception as e:  # noqa: BLE001 - no driver / no device
+        raise MissingBackend(
+            f"TensorRT found no usable NVIDIA GPU ({e}); engines are built on the GPU that runs "
+            "them (or the same model of GPU)"
+        ) from None
+    if builder is None:
+        raise MissingBackend("TensorRT could not create a builder: no usable NVIDIA GPU or driver on this machine")
+    return builder
+
+
+def build_engine(
+    onnx_path: str | Path,
+    engine_path: str | Path,
+    plugins: str | Path | None = None,
+    fp16: bool = False,
+    workspace_gib: float | None = None,
+) -> EngineReport:
+    """ONNX (static shapes, kvexport custom ops) -> serialized TensorRT engine at ``engine_path``.
+
+    Loads the plugin library, prepares the ONNX for the installed TensorRT's parser
+    (:func:`prepare_onnx_for_trt`), parses it, builds with FP16 enabled when ``fp16`` (weakly typed networks;
+    the graph's own types win for strongly typed ones) and saves the plan.
+    """
+    trt = import_tensorrt()
+    load_plugins(plugins)
+    version = trt.__version__
+    onnx_path, engine_path = Path(onnx_path), Path(engine_path)
+    prepared_path = onnx_path.with_name(
+        onnx_path.stem + f".trt{parse_version(version)[0]}{parse_version(version)[1]}.onnx"
+    )
+    prep = prepare_onnx_for_trt(onnx_path, prepared_path, version)
+    t0 = time.perf_counter()
+    log = _Logger(trt).logger
+    try:
+        builder = _require_gpu(trt, log)
+        network = builder.create_network(0)
+        parser = trt.OnnxParser(network, log)
+        flag = getattr(getattr(trt, "OnnxParserFlag", None), "ENABLE_PLUGIN_OVERRIDE", None)
+        if flag is not None:  # TensorRT >= 10.16: plugins also override ops without plugin_namespace
+            parser.set_flag(flag)
+        if not parser.parse_from_file(str(prepared_path)):
+            errs = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+            raise BadArtifact(f"TensorRT {version} could not parse {onnx_path.name}: {errs[0] if errs else log.errors}")
+        for i in range(network.num_inputs):
+            shape = tuple(network.get_input(i).shape)
+            if any(d < 0 for d in shape):
+                raise BadArtifact(
+                    f"{onnx_path.name} input {network.get_input(i).name} has a dynamic shape {shape}; "
+                    "kvexport engines need the static shapes `kvexport export` writes"
+                )
+        config = builder.create_builder_config()
+        if fp16:
+            flag16 = getattr(trt.BuilderFlag, "FP16", None)
+            if flag16 is None:  # TensorRT 11: strongly typed networks only
+                raise BadUsage(
+                    f"TensorRT {version} builds strongly typed networks and has no FP16 flag; export the "
+                    "graphs in FP16 instead of passing --fp16"
+                )
+            config.set_flag(flag16)
+        if workspace_gib is not None:
+            config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * (1 << 30)))
+        plan = builder.build_serialized_network(network, config)
+        if plan is None:
+            raise BadArtifact(
+                f"TensorRT {version} failed to build {onnx_path.name}: "
+                f"{log.errors[-1] if log.errors else 'no error message'}"
+            )
+        engine_path.parent.mkdir(parents=True, exist_ok=True)
+        engine_path.write_bytes(bytes(plan))
+    finally:
+        prepared_path.unlink(missing_ok=True)
+    return EngineReport(
+        onnx=str(onnx_path),
+        engine=str(engine_path),
+        tensorrt=version,
+        fp16=fp16,
+        plugin_nodes=prep.plugin_nodes,
+        stripped_functions=prep.stripped_functions,
+        seconds=time.perf_counter() - t0,
+        bytes=engine_path.stat().st_size,
+    )
+
+
+def find_onnx_graphs(export_dir: str | Path) -> list[Path]:
+    """Every ``*.onnx`` graph of an exported directory (top level first, else any depth), sorted by name.
+
+    Files ending in ``.trt*.onnx`` (our own temporary parser copies) are ignored.
+    """
+    d = Path(export_dir)
+    found = sorted(p for p in d.glob("*.onnx") if ".trt" not in p.name)
+    if not found:
+        found = sorted(p for p in d.rglob("*.onnx") if ".trt" not in p.name)
+    return found
+
+
+def write_build_record(out_dir: Path, reports: list[EngineReport]) -> Path:
+    path = out_dir / "engines.json"
+    path.write_text(json.dumps([r.to_json() for r in reports], indent=2) + "\n")
+    return path

@@ -1,0 +1,130 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``kvexport convert`` settings: refusals before any work, config files, defaults, the saved round trip."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from kvexport.cli import main
+from kvexport.convert.config import ConvertConfig, default_mla_rank, default_rope_dim, parse_contexts
+from kvexport.errors import BadUsage
+
+REFUSALS = [
+    (["--mla-rank", "16", "--mla-energy", "0.9"], "exclude each other"),
+    (["--budget", "64"], "--budget needs an eviction press"),
+    (["--press", "none", "--budget", "64"], "--budget needs an eviction press"),
+    (["--window", "8"], "--window needs an eviction press"),
+    (["--rope-dim", "8"], "--rope-dim only applies to the MLA rewrite"),
+    (["--mla-rank", "16", "--rope-dim", "7"], "positive even number"),
+    (["--mla-energy", "1.5"], r"must be in \(0, 1\]"),
+    (["--mla-rank", "0"], "must be >= 1"),
+    (["--distill-data", "x.txt"], "need a teacher"),
+    (["--distill-tokens", "100"], "need a teacher"),
+    (["--distill-teacher", "T", "--distill-data", "x.txt"], "distillation repairs the MLA rewrite"),
+    (["--mla-rank", "16", "--distill-teacher", "T"], "needs --distill-data"),
+    (["--allow-partial"], "--allow-partial only applies to --target tensorrt"),
+    (["--target", "tpu"], "not one of: onnx, tensorrt"),
+    (["--press", "nosuch", "--budget", "300"], "unknown press 'nosuch'"),
+    (["--press", "snapkv", "--window", "0"], "--window 0 must be >= 1"),
+    (["--contexts", "512,abc"], "is not an integer"),
+    (["--decode-steps", "0"], "--decode-steps 0 must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("args,reason", REFUSALS, ids=[" ".join(a) for a, _ in REFUSALS])
+def test_refused_before_any_work(tmp_path, capsys, args, reason):
+    out = tmp_path / "out"
+    rc = main(["convert", "--out", str(out), *args])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
+    assert re.search(reason, err), err
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]  # no temporary sibling either
+
+
+def test_refusals_that_need_the_model(tmp_path, capsys, tiny_hf_dir):
+    out = tmp_path / "out"
+    cases = [
+        (["--mla-rank", "4096"], "larger than the rank of the stacked K/V weights"),
+        (["--press", "snapkv", "--budget", "32"], "must exceed the 64 tokens snapkv always keeps"),
+        (["--press", "random", "--budget", "100"], "cannot be exported"),
+        (["--press", "knorm", "--budget", "5000"], "exceeds the model's 4096 positions"),
+        (["--mla-rank", "16", "--distill-teacher", str(tmp_path / "nope"), "--distill-data", __file__],
+         "is not a model directory"),
+    ]
+    for args, reason in cases:
+        rc = main(["convert", str(tiny_hf_dir), "--out", str(out), *args])
+        err = capsys.readouterr().err
+        assert rc == 2 and reason in err, (args, err)
+        assert not out.exists()
+    rc = main(["convert", str(tmp_path / "missing"), "--out", str(out)])
+    assert rc == 2 and "does not exist" in capsys.readouterr().err
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    rc = main(["convert", str(tiny_hf_dir), "--out", str(out)])
+    assert rc == 2 and "not empty; pass --force" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "x"
+
+
+def test_out_is_required(capsys):
+    assert main(["convert"]) == 2
+    assert "--out DIR is required" in capsys.readouterr().err
+
+
+def test_config_files(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("press: knorm\nbudget: 128\nwindow: 16\ncontexts: [2048, 512]\nfp16: true\n")
+    cfg = ConvertConfig.from_file(y)
+    assert (cfg.press, cfg.budget, cfg.window, cfg.contexts, cfg.fp16) == ("knorm", 128, 16, [512, 2048], True)
+    # flags given on the command line win over the file
+    cfg2 = cfg.merged({"budget": 64, "window": None})
+    assert (cfg2.budget, cfg2.window) == (64, 16)
+    j = tmp_path / "c.json"
+    j.write_text(json.dumps({"mla-rank": 24, "rope-dim": 8, "out": "ignored"}))
+    assert (ConvertConfig.from_file(j).mla_rank, ConvertConfig.from_file(j).rope_dim) == (24, 8)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("presss: knorm\n")
+    with pytest.raises(BadUsage, match="unknown setting"):
+        ConvertConfig.from_file(bad)
+    bad.write_text("budget: [1, 2\n")
+    with pytest.raises(BadUsage, match="cannot be parsed"):
+        ConvertConfig.from_file(bad)
+    bad.write_text("budget: 12.5\n")
+    with pytest.raises(BadUsage, match="must be an integer"):
+        ConvertConfig.from_file(bad)
+    bad.write_text("fp16: maybe\n")
+    with pytest.raises(BadUsage, match="true or false"):
+        ConvertConfig.from_file(bad)
+    with pytest.raises(BadUsage, match="does not exist"):
+        ConvertConfig.from_file(tmp_path / "nope.yaml")
+
+
+def test_showcase_defaults_and_explicit_choice():
+    cfg = ConvertConfig().resolve()
+    assert cfg.showcase_defaults and (cfg.press, cfg.budget, cfg.window) == ("snapkv", 256, 32)
+    only_mla = ConvertConfig(mla_rank=32).resolve()
+    assert not only_mla.showcase_defaults and only_mla.press == "none" and only_mla.budget is None
+    only_press = ConvertConfig(press="knorm").resolve()
+    assert (only_press.budget, only_press.window, only_press.mla_rank) == (256, 32, None)
+
+
+def test_default_mla_rank_targets_five_x():
+    # the student: 2 KV heads x head 32 -> 128 elements per token and layer; d_rope 8
+    r = default_mla_rank(2, 32, default_rope_dim(32))
+    assert default_rope_dim(32) == 8 and r % 8 == 0
+    assert 4.0 <= 128 / (r + 8) <= 6.0
+    # Llama-3.2-1B: 8 x 64 -> 1024 elements; d_rope 32 (REFERENCE.md: r 128 gives 6.4x, r 256 3.56x)
+    r = default_mla_rank(8, 64, 32)
+    assert 4.0 <= 1024 / (r + 32) <= 6.0
+
+
+def test_parse_contexts():
+    assert parse_contexts("8192, 512,2048,512") == [512, 2048, 8192]
+    with pytest.raises(BadUsage):
+        parse_contexts("0")
+    with pytest.raises(BadUsage):
+        parse_contexts("")

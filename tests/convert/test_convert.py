@@ -1,0 +1,143 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``kvexport convert`` end to end on a tiny model: every file, parity, profile numbers, the report,
+reproduction from convert.json; failed stages and missing TensorRT leave the right things behind."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvexport.cli import main
+from kvexport.convert.config import ConvertConfig
+
+ARGS = ["--press", "knorm", "--budget", "16", "--window", "4", "--chunk", "8", "--mla-rank", "16", "--rope-dim", "8",
+        "--contexts", "32,128", "--decode-steps", "4", "--validate-steps", "8"]
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_hf_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("convert") / "tiny-kvx"
+    rc = main(["convert", str(tiny_hf_dir), "--out", str(out), *ARGS])
+    return out, rc
+
+
+def test_every_file(converted, tiny_hf_dir):
+    out, rc = converted
+    assert rc == 0
+    for f in ("convert.json", "parity.json", "profile.json", "report.html", "report.md", "report.json",
+              "plots/decode_latency.png", "plots/memory.png", "onnx/manifest.json", "onnx/prefill.onnx",
+              "onnx/decode.onnx", "onnx/compact.onnx", "baseline/manifest.json", "baseline/model.onnx",
+              "mla/kvexport_mla.json", "mla/model.safetensors"):
+        assert (out / f).is_file(), f
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temporary directories left
+    cj = json.loads((out / "convert.json").read_text())
+    assert cj["settings"]["model"] == str(tiny_hf_dir.resolve())
+    assert [s["name"] for s in cj["stages"]] == ["load", "rewrite", "distill", "export", "engine", "validate",
+                                                  "profile", "report"]
+    assert {s["name"]: s["status"] for s in cj["stages"]} == {
+        "load": "done", "rewrite": "done", "distill": "skipped", "export": "done", "engine": "skipped",
+        "validate": "done", "profile": "done", "report": "done"}
+    assert cj["mla"] == {"kv_ranks": [16, 16], "rope_dim": 8}
+
+
+def test_parity_passed(converted):
+    out, _ = converted
+    parity = json.loads((out / "parity.json").read_text())
+    pair = parity["pairs"]["pytorch~onnxruntime"]
+    assert pair["passed"] is True and pair["token_agreement"] == 1.0
+    assert pair["max_abs_logit_error"] <= pair["tolerances"]["atol"] + pair["tolerances"]["rtol"] * 100
+    assert pair["steps"] == 8
+
+
+def test_profile_numbers(converted):
+    out, _ = converted
+    prof = json.loads((out / "profile.json").read_text())
+    assert prof["backend"] == "onnxruntime" and prof["contexts"] == [32, 128]
+    # tiny model: 2 layers; MLA latent 16 + rope 8 elements per token and layer, fp32; 16 + 4 slots
+    per_tok, base_per_tok = 2 * (16 + 8) * 4, 2 * 2 * 2 * 16 * 4
+    assert prof["cache"]["bytes_per_token"] == per_tok and prof["cache"]["baseline_bytes_per_token"] == base_per_tok
+    conv, base = prof["variants"]["converted"], prof["variants"]["baseline"]
+    assert [r["kv_bytes"] for r in conv["contexts"]] == [20 * per_tok, 20 * per_tok]
+    assert [r["kv_bytes"] for r in base["contexts"]] == [(c + 4) * base_per_tok for c in (32, 128)]
+    for r in conv["contexts"] + base["contexts"]:
+        assert r["decode_ms_p50"] <= r["decode_ms_p90"] and r["peak_rss_bytes"] > 0
+    onnx_bytes = sum(p.stat().st_size for p in (out / "onnx").glob("*.onnx*"))
+    assert conv["files_bytes"] == onnx_bytes
+
+
+def test_report_shows_it(converted):
+    out, _ = converted
+    html = (out / "report.html").read_text()
+    assert "Parity: PASSED" in html and "<title>kvexport report: tiny-llama</title>" in html
+    assert html.count('src="data:image/png;base64,') == 4
+    md = (out / "report.md").read_text()
+    assert "pytorch~onnxruntime" in md and "| 128 |" in md
+
+
+def test_convert_json_reproduces_settings(converted):
+    """``--config DIR/convert.json`` resolves to the very same settings (the conversion is then the same run)."""
+    out, _ = converted
+    saved = json.loads((out / "convert.json").read_text())["settings"]
+    again = ConvertConfig.from_file(out / "convert.json").resolve()
+    assert again.to_dict() == saved
+
+
+def test_report_and_profile_commands(converted, capsys):
+    out, _ = converted
+    (out / "report.html").unlink()
+    assert main(["report", str(out)]) == 0
+    assert "Parity: PASSED" in (out / "report.html").read_text()
+    assert main(["report", str(out / "nope")]) == 4
+    assert "is not a directory" in capsys.readouterr().err
+    assert main(["profile", str(out), "--backend", "cuda"]) == 2
+    assert main(["profile", str(out), "--contexts", "16", "--decode-steps", "2", "--no-baseline",
+                 "--no-report"]) == 0
+    prof = json.loads((out / "profile.json").read_text())
+    assert prof["contexts"] == [16] and list(prof["variants"]) == ["converted"]
+
+
+def test_failed_stage_leaves_nothing(tiny_hf_dir, tmp_path, capsys, monkeypatch):
+    import kvexport.convert.stages as stages
+
+    def boom(st):
+        (st.work / "onnx").mkdir()
+        (st.work / "onnx" / "half.onnx").write_bytes(b"x")
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(stages, "stage_export", boom)
+    out = tmp_path / "out"
+    rc = main(["convert", str(tiny_hf_dir), "--out", str(out), "--press", "knorm", "--budget", "16"])
+    err = capsys.readouterr().err
+    assert rc == 70 and "error: stage 'export' failed: RuntimeError: disk on fire" in err
+    assert list(tmp_path.iterdir()) == []  # neither out nor a temporary sibling
+
+
+def test_tensorrt_missing(tiny_hf_dir, tmp_path, capsys, monkeypatch):
+    import kvexport.convert.stages as stages
+
+    monkeypatch.setattr(stages, "tensorrt_problem", lambda: "TensorRT is not installed (test)")
+    out = tmp_path / "out"
+    rc = main(["convert", str(tiny_hf_dir), "--out", str(out), "--press", "knorm", "--budget", "16",
+               "--target", "tensorrt"])
+    err = capsys.readouterr().err
+    assert rc == 5 and "TensorRT is not installed (test)" in err and "nothing was written" in err
+    assert not out.exists()
+
+    # --allow-partial: the stages before the engine run, the ONNX result is kept, exit 5 all the same
+    def fake_export(st):
+        (st.work / "onnx").mkdir()
+        (st.work / "onnx" / "decode.onnx").write_bytes(b"onnx")
+        return "fake"
+
+    monkeypatch.setattr(stages, "stage_export", fake_export)
+    rc = main(["convert", str(tiny_hf_dir), "--out", str(out), "--press", "knorm", "--budget", "16",
+               "--target", "tensorrt", "--allow-partial", "--no-validate", "--no-profile"])
+    err = capsys.readouterr().err
+    assert rc == 5 and "kept the ONNX result" in err
+    assert (out / "onnx" / "decode.onnx").read_bytes() == b"onnx"
+    cj = json.loads((out / "convert.json").read_text())
+    eng = next(s for s in cj["stages"] if s["name"] == "engine")
+    assert eng["status"] == "done" and eng["note"].startswith("skipped: TensorRT is not installed")
+    assert cj["engine_missing"] == "TensorRT is not installed (test)"
+    assert "Parity: NOT RUN" in (out / "report.html").read_text()

@@ -1,0 +1,174 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The custom ops: PyTorch op vs its ONNX function (onnxruntime, onnx.reference) vs a NumPy reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper
+
+from kvexport.export import ops
+
+ort = pytest.importorskip("onnxruntime")
+NP = {"fp32": np.float32, "fp16": np.float16}
+TP = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}
+
+
+def _model(node, inputs, outputs):
+    g = helper.make_graph([node], "g", inputs, outputs)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", ops.OPSET), helper.make_opsetid(ops.DOMAIN, 1)],
+                          functions=ops.function_protos())
+    m.ir_version = 10
+    ops.register_schemas()
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def _run(m, feeds):
+    s = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    return s.run(None, feeds)
+
+
+# ----------------------------------------------------------------------------- TopKGather
+def topk_gather_numpy(scores, keys, values, positions, k):
+    s = np.where(positions < 0, -np.inf, scores.astype(np.float32))
+    order = np.argsort(-s, axis=-1, kind="stable")[..., :k]  # descending, ties -> lower slot
+    idx = np.sort(order, axis=-1)
+    take = lambda x: np.take_along_axis(x, idx[..., None], axis=2)  # noqa: E731
+    return take(keys), take(values), np.take_along_axis(positions, idx, axis=2), idx
+
+
+def topk_gather_model(B, H, S, Dk, Dv, k, dtype):
+    t = TP[dtype]
+    node = ops.make_node("TopKGather", ["scores", "keys", "values", "positions"],
+                         ["kept_keys", "kept_values", "kept_positions", "kept_indices"], k=k)
+    vi = helper.make_tensor_value_info
+    return _model(node, [vi("scores", t, [B, H, S]), vi("keys", t, [B, H, S, Dk]), vi("values", t, [B, H, S, Dv]),
+                         vi("positions", TensorProto.INT64, [B, H, S])],
+                  [vi("kept_keys", t, [B, H, k, Dk]), vi("kept_values", t, [B, H, k, Dv]),
+                   vi("kept_positions", TensorProto.INT64, [B, H, k]), vi("kept_indices", TensorProto.INT64, [B, H, k])])
+
+
+@st.composite
+def topk_cases(draw):
+    B, H = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    S = draw(st.integers(1, 12))
+    k = draw(st.integers(1, S))
+    Dk, Dv = draw(st.integers(1, 4)), draw(st.sampled_from([0, 1, 3]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    ties = draw(st.booleans())
+    p_empty = draw(st.sampled_from([0.0, 0.3, 0.8]))
+    dtype = draw(st.sampled_from(["fp32", "fp16"]))
+    return B, H, S, Dk, Dv, k, seed, ties, p_empty, dtype
+
+
+@settings(max_examples=40, deadline=None)
+@given(topk_cases())
+def test_topk_gather_torch_onnx_numpy(case):
+    B, H, S, Dk, Dv, k, seed, ties, p_empty, dtype = case
+    rng = np.random.default_rng(seed)
+    nd = NP[dtype]
+    scores = (rng.integers(-2, 3, (B, H, S)) if ties else rng.standard_normal((B, H, S))).astype(nd)
+    keys = rng.standard_normal((B, H, S, Dk)).astype(nd)
+    values = rng.standard_normal((B, H, S, Dv)).astype(nd)
+    positions = np.where(rng.random((B, H, S)) < p_empty, -1, rng.permutation(S)[None, None, :]).astype(np.int64)
+    want = topk_gather_numpy(scores, keys, values, positions, k)
+    got_t = ops.topk_gather(*(torch.from_numpy(x) for x in (scores, keys, values, positions)), k)
+    got_o = _run(topk_gather_model(B, H, S, Dk, Dv, k, dtype),
+                 {"scores": scores, "keys": keys, "values": values, "positions": positions})
+    for w, t, o in zip(want, got_t, got_o):
+        np.testing.assert_array_equal(t.numpy(), w)
+        np.testing.assert_array_equal(o, w)
+
+
+def test_topk_gather_reference_evaluator():
+    """onnx.reference runs the same function (no plugin, no onnxruntime)."""
+    from onnx.reference import ReferenceEvaluator
+
+    rng = np.random.default_rng(0)
+    scores = np.array([[[1, 1, 2, 2, 0, 1], [3, 3, 3, 3, 3, 3]]], np.float32)
+    positions = np.array([[[0, 1, 2, -1, 4, 5], [0, 1, -1, 3, 4, 5]]], np.int64)
+    keys = rng.standard_normal((1, 2, 6, 3)).astype(np.float32)
+    values = rng.standard_normal((1, 2, 6, 2)).astype(np.float32)
+    m = topk_gather_model(1, 2, 6, 3, 2, 4, "fp32")
+    got = ReferenceEvaluator(m).run(None, {"scores": scores, "keys": keys, "values": values, "positions": positions})
+    want = topk_gather_numpy(scores, keys, values, positions, 4)
+    np.testing.assert_array_equal(got[3], [[[0, 1, 2, 5], [0, 1, 3, 4]]])
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+# ----------------------------------------------------------------------------- LatentAttention
+def latent_attention_numpy(q, latent, qp, lp, rank, scale):
+    logits = np.einsum("bhtd,bsd->bhts", q.astype(np.float64), latent.astype(np.float64)) * scale
+    vis = (lp[:, None, None, :] >= 0) & (lp[:, None, None, :] <= qp[:, None, :, None])
+    logits = np.where(vis, logits, np.finfo(np.float32).min)
+    logits = logits - logits.max(-1, keepdims=True)
+    p = np.exp(logits)
+    p /= p.sum(-1, keepdims=True)
+    out = np.einsum("bhts,bsr->bhtr", p, latent[..., :rank].astype(np.float64))
+    return out, p.sum(axis=(1, 2))
+
+
+def latent_attention_model(B, Hq, T, S, R, Dr, scale, dtype):
+    t = TP[dtype]
+    node = ops.make_node("LatentAttention", ["q", "latent", "q_positions", "latent_positions"], ["out", "attn_mass"],
+                         rank=R, scale=scale)
+    vi = helper.make_tensor_value_info
+    return _model(node, [vi("q", t, [B, Hq, T, R + Dr]), vi("latent", t, [B, S, R + Dr]),
+                         vi("q_positions", TensorProto.INT64, [B, T]), vi("latent_positions", TensorProto.INT64, [B, S])],
+                  [vi("out", t, [B, Hq, T, R]), vi("attn_mass", TensorProto.FLOAT, [B, S])])
+
+
+@st.composite
+def latent_cases(draw):
+    return (draw(st.integers(1, 2)), draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 10)),
+            draw(st.integers(1, 8)), draw(st.sampled_from([0, 2, 4])), draw(st.integers(0, 2**31 - 1)),
+            draw(st.sampled_from([0.0, 0.4])), draw(st.sampled_from(["fp32", "fp16"])))
+
+
+@settings(max_examples=30, deadline=None)
+@given(latent_cases())
+def test_latent_attention_torch_onnx_numpy(case):
+    B, Hq, T, S, R, Dr, seed, p_empty, dtype = case
+    rng = np.random.default_rng(seed)
+    nd = NP[dtype]
+    scale = float((R + Dr) ** -0.5)
+    q = rng.standard_normal((B, Hq, T, R + Dr)).astype(nd)
+    latent = rng.standard_normal((B, S, R + Dr)).astype(nd)
+    lp = np.where(rng.random((B, S)) < p_empty, -1, rng.integers(0, 12, (B, S))).astype(np.int64)
+    qp = np.where(rng.random((B, T)) < 0.2, -1, rng.integers(0, 12, (B, T))).astype(np.int64)
+    want_out, want_mass = latent_attention_numpy(q, latent, qp, lp, R, scale)
+    t_out, t_mass = ops.latent_attention(*(torch.from_numpy(x) for x in (q, latent, qp, lp)), R, scale)
+    o_out, o_mass = _run(latent_attention_model(B, Hq, T, S, R, Dr, scale, dtype),
+                         {"q": q, "latent": latent, "q_positions": qp, "latent_positions": lp})
+    tol = 1e-5 if dtype == "fp32" else 2e-2
+    np.testing.assert_allclose(t_out.numpy().astype(np.float64), want_out, atol=tol, rtol=tol)
+    np.testing.assert_allclose(o_out.astype(np.float64), want_out, atol=tol, rtol=tol)
+    np.testing.assert_allclose(t_mass.numpy(), want_mass, atol=tol * 10, rtol=tol)
+    np.testing.assert_allclose(o_mass, want_mass, atol=tol * 10, rtol=tol)
+    assert o_out.dtype == nd and o_mass.dtype == np.float32
+
+
+def test_latent_attention_matches_mla_reference():
+    """The custom op's eager impl equals kvexport.mla's reference of the same contract."""
+    mla = pytest.importorskip("kvexport.mla.attention")
+    g = torch.Generator().manual_seed(0)
+    q, lat = torch.randn(2, 4, 3, 10, generator=g), torch.randn(2, 7, 10, generator=g)
+    qp = torch.tensor([[4, 5, -1], [0, 1, 2]])
+    lp = torch.tensor([[0, 1, 2, 3, -1, 4, 5], [0, -1, -1, 1, 2, 3, 9]])
+    a = ops.latent_attention(q, lat, qp, lp, 8, 0.3)
+    b = mla.latent_attention(q, lat, qp, lp, 8, 0.3)
+    torch.testing.assert_close(a[0], b[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(a[1], b[1], atol=1e-6, rtol=1e-5)
+
+
+def test_nodes_carry_plugin_attributes():
+    m = topk_gather_model(1, 1, 4, 2, 2, 2, "fp32")
+    attrs = {a.name: helper.get_attribute_value(a) for a in m.graph.node[0].attribute}
+    assert attrs["plugin_namespace"] == b"kvexport" and attrs["plugin_version"] == b"1" and attrs["k"] == 2
+    assert m.graph.node[0].domain == "kvexport"
