@@ -7,8 +7,9 @@
 Prints two markdown tables:
 1. Decode: per-step time and memory at contexts 512, 2k, 8k; evicting cache (SnapKV, budget 256 +
    window 32) beside a full cache that holds every token. The context is fed by chunked prefill (512
-   tokens a chunk) in both cases, then ``STEPS`` greedy decode steps are timed one by one (the evicting
-   cache compacts every 32 steps; its compaction time is inside the mean and the max).
+   tokens a chunk) in both cases, then 3 rounds of ``STEPS`` greedy decode steps are timed one by one;
+   the table shows the round with the lowest median (the CPU may be shared with other jobs). The
+   evicting cache compacts every 32 steps; its compaction time is inside the mean and the max.
 2. Chunked prefill: peak memory of feeding prompts of 2k, 8k and 32k tokens in chunks of 512 into the
    evicting cache (single-shot prefill of 2k beside it for contrast).
 
@@ -17,7 +18,9 @@ the script measures the process's resident set: every configuration runs in a fr
 kernel's high-water mark (VmHWM) is reset through ``/proc/self/clear_refs`` right before the measured
 phase, and "peak +MiB" is VmHWM at the end minus VmRSS at the start of that phase (model, inputs and
 the preallocated cache are already resident then; the cache's own size is the "KV MiB" column).
-Without ``clear_refs`` it falls back to ``ru_maxrss`` (a peak since process start).
+Without ``clear_refs`` it falls back to ``ru_maxrss`` (a peak since process start). The subprocesses
+run with ``MALLOC_MMAP_THRESHOLD_=131072`` so that freed tensors leave the resident set at once (with
+glibc's default the heap's fragmentation adds a slowly growing ~15 MiB over the first chunks).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import time
 
 MODEL = dict(hidden_size=256, layers=4, heads=4, kv_heads=2, intermediate_size=688, vocab_size=1024,
              max_positions=40000)
-BUDGET, WINDOW, CHUNK, STEPS = 256, 32, 512, 64
+BUDGET, WINDOW, CHUNK, STEPS, ROUNDS = 256, 32, 512, 64, 3
 
 
 def _status(key: str) -> int:
@@ -81,7 +84,7 @@ def run_one(cfg: dict) -> dict:
     ids = torch.randint(0, MODEL["vocab_size"], (1, n), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(n)[None]
     press = None if cfg["cache"] == "full" else make_press("snapkv", budget=BUDGET)
-    budget = n + STEPS + 1 if press is None else BUDGET
+    budget = n + ROUNDS * STEPS + 1 if press is None else BUDGET
     with torch.no_grad():
         cache = dec.new_cache(1, press, budget, WINDOW)
         out = {"kv_mib": cache.nbytes() / 2**20}
@@ -93,17 +96,22 @@ def run_one(cfg: dict) -> dict:
         out["prefill_peak_mib"] = (_peak_kb(ok) - rss0) / 1024
         if cfg["phase"] == "decode":
             tok = logits[:, -1].argmax(-1)
-            times = []
+            rounds = []
             rss0 = _status("VmRSS")
             ok = _reset_peak()
-            for s in range(STEPS):
-                t0 = time.perf_counter()
-                logits = dec(tok[:, None], torch.tensor([[n + s]]), cache, mode="decode")
-                tok = logits[:, -1].argmax(-1)
-                times.append(time.perf_counter() - t0)
-            out["step_ms_median"] = 1e3 * statistics.median(times)
-            out["step_ms_mean"] = 1e3 * statistics.mean(times)
-            out["step_ms_max"] = 1e3 * max(times)
+            for r in range(ROUNDS):
+                times = []
+                for s in range(STEPS):
+                    t0 = time.perf_counter()
+                    logits = dec(tok[:, None], torch.tensor([[n + r * STEPS + s]]), cache, mode="decode")
+                    tok = logits[:, -1].argmax(-1)
+                    times.append(time.perf_counter() - t0)
+                rounds.append(times)
+            # other processes share the CPU: the quietest round's median is the best estimate of the cost
+            best = min(rounds, key=statistics.median)
+            out["step_ms_median"] = 1e3 * statistics.median(best)
+            out["step_ms_mean"] = 1e3 * statistics.mean(best)
+            out["step_ms_max"] = 1e3 * max(best)
             out["decode_peak_mib"] = (_peak_kb(ok) - rss0) / 1024
             out["compactions"] = cache.compactions
         out["rss_mib"] = _status("VmRSS") / 1024
@@ -114,6 +122,8 @@ def spawn(cfg: dict) -> dict:
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    # large blocks straight from mmap and back on free: RSS then follows live tensors, not heap fragmentation
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
     res = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", json.dumps(cfg)], env=env,
                          capture_output=True, text=True, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -146,7 +156,7 @@ def main() -> None:
     print(f"# bench_eviction — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"machine: {machine()}")
     print(f"model: Llama-shaped, random weights, {MODEL}; fp32; press snapkv, budget {BUDGET}, window {WINDOW}, "
-          f"chunk {CHUNK}, {STEPS} decode steps\n")
+          f"chunk {CHUNK}, {ROUNDS} x {STEPS} decode steps\n")
     print("## Decode (per step, batch 1)\n")
     print("| context | cache | KV MiB | step ms (median) | step ms (mean) | step ms (max) | compactions "
           "| decode peak +MiB |")

@@ -95,13 +95,14 @@ def profile_cmd(
     with console.status(f"profiling {directory} on {backend} ..."):
         prof = profile_dir(directory, backend=backend, contexts=ctx, decode_steps=decode_steps, baseline=baseline)
     t = Table(title=f"{directory} ({backend})")
-    for h in ("variant", "context", "TTFT s", "decode p50 ms", "p90 ms", "tok/s", "KV MiB", "peak RSS MiB"):
+    t.add_column("variant", no_wrap=True)
+    for h in ("context", "TTFT s", "decode p50 ms", "p90 ms", "tok/s", "KV KiB", "peak RSS MiB"):
         t.add_column(h, justify="right")
     for name, v in prof["variants"].items():
         for r in v["contexts"]:
             t.add_row(name, str(r["context"]), f"{r['ttft_s']:.3f}", f"{r['decode_ms_p50']:.2f}",
                       f"{r['decode_ms_p90']:.2f}", f"{r['tokens_per_s']:.1f}",
-                      f"{r.get('kv_bytes', 0) / 2**20:.2f}", f"{r['peak_rss_bytes'] / 2**20:.0f}")
+                      f"{r.get('kv_bytes', 0) / 2**10:.1f}", f"{r['peak_rss_bytes'] / 2**20:.0f}")
     Console().print(t)
     for s in prof.get("skipped_contexts") or []:
         console.print(f"[yellow]skipped context {s['context']}: {s['reason']}[/]", highlight=False)

@@ -324,6 +324,8 @@ def run_convert(cfg: ConvertConfig, out: str | Path, force: bool = False, consol
             return stage_report(st)
 
         stages.append(Stage("report", report))
+        # the settings are known now; later stages (profile, report) read them back from DIR
+        _write_json(st.work / layout.CONVERT_JSON, convert_json(st, []))
         records = pipe.run()
         cj = convert_json(st, records)
         _write_json(st.work / layout.CONVERT_JSON, cj)

@@ -3,26 +3,15 @@
 
 ``export_model`` writes the graphs (:mod:`kvexport.export.exporter`), ``OrtGenerator`` runs them with
 onnxruntime IO binding (:mod:`kvexport.export.runtime`), ``validate`` compares them with the PyTorch
-model (:mod:`kvexport.export.validate`). onnxruntime is imported only when a runtime is made.
+model (:mod:`kvexport.export.validate`). onnxruntime and Polygraphy are imported only when used.
 """
 
 from __future__ import annotations
 
 from kvexport.export.exporter import export_model
 from kvexport.export.manifest import atomic_output, read_manifest, verify_manifest, write_manifest
-
-
-def __getattr__(name):  # lazy: onnxruntime / polygraphy load only when asked for
-    if name in ("OrtGenerator", "OrtGenerationResult"):
-        from kvexport.export import runtime
-
-        return getattr(runtime, name)
-    if name == "validate":
-        from kvexport.export.validate import validate
-
-        return validate
-    raise AttributeError(name)
-
+from kvexport.export.runtime import OrtGenerationResult, OrtGenerator
+from kvexport.export.validate import validate
 
 __all__ = ["export_model", "OrtGenerator", "OrtGenerationResult", "validate", "atomic_output", "read_manifest",
            "verify_manifest", "write_manifest"]

@@ -208,7 +208,7 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     atol/rtol: logit tolerances (default by dtype: fp32 1e-4 / 1e-3, fp16 5e-2 / 5e-2).
     Raises :class:`ParityFailure` (exit 6) when ``raise_on_failure`` and a tolerance fails.
     """
-    from polygraphy.comparator import Comparator, CompareFunc
+    from polygraphy.comparator import Comparator, SimpleCompareFunc
 
     from kvexport.export.exporter import press_from_dict
     from kvexport.export.runtime import OrtGenerator
@@ -247,7 +247,7 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     try:
         for feed in feeds:
             results = Comparator.run([torch_runner, ort_runner], data_loader=[feed])
-            acc = Comparator.compare_accuracy(results, compare_func=CompareFunc.simple(atol=atol, rtol=rtol))
+            acc = Comparator.compare_accuracy(results, compare_func=SimpleCompareFunc(atol=atol, rtol=rtol))
             poly_ok = poly_ok and bool(acc)
             ref, ort = torch_runner.last, ort_runner.last
             a = np.stack([ref.prompt_logits] + ref.step_logits, 1).astype(np.float64)

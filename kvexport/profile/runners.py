@@ -116,6 +116,15 @@ class OrtRunner:
             g.reset()
             self.fill = [0] * len(g.layers)
 
+    def _feeds(self, graph: str, **candidates: np.ndarray) -> dict[str, np.ndarray]:
+        """The host inputs ``graph`` declares, out of ``candidates`` (the cache tensors are bound by the generator)."""
+        names = set(self.s["graphs"][graph]["inputs"])
+        missing = [n for n in names if not n.endswith("_in") and n not in candidates]
+        if missing:
+            raise BadArtifact(f"{self.dir}/{graph}.onnx wants inputs {missing} this profiler does not know; "
+                              "profile with a matching kvexport version")
+        return {k: v for k, v in candidates.items() if k in names}
+
     def _logits(self) -> np.ndarray:
         return self.gen.logits.numpy()
 
@@ -136,8 +145,10 @@ class OrtRunner:
         pos_p = np.concatenate([pos, np.full((1, pad), -1, np.int64)], axis=1)
         for c in range(n_chunks):
             last_index = (N - 1 - c * C) if c == n_chunks - 1 else C - 1
-            g._run("prefill", {"input_ids": ids_p[:, c * C:(c + 1) * C], "positions": pos_p[:, c * C:(c + 1) * C],
-                               "last_index": np.array([last_index], np.int64), "fill": np.array(self.fill, np.int64)})
+            g._run("prefill", self._feeds("prefill", input_ids=ids_p[:, c * C:(c + 1) * C],
+                                          positions=pos_p[:, c * C:(c + 1) * C],
+                                          last_index=np.array([last_index], np.int64),
+                                          fill=np.array(self.fill, np.int64)))
             if g.press is not None:
                 self.fill = [min(f + C, b) for f, b in zip(self.fill, g.budgets, strict=False)]
             else:
@@ -151,11 +162,11 @@ class OrtRunner:
         self.next_pos += 1
         if g.dynamic:
             return int(self._run_dynamic(tok, pos).argmax(-1)[0])
-        g._run("decode", {"input_ids": tok, "positions": pos, "slot": np.array(self.fill, np.int64)})
+        g._run("decode", self._feeds("decode", input_ids=tok, positions=pos, slot=np.array(self.fill, np.int64)))
         out = int(self._logits().argmax(-1)[0])
         self.fill = [f + 1 for f in self.fill]
         if g.press is not None and any(f >= c for f, c in zip(self.fill, g.caps, strict=False)):
-            g._run("compact", {})
+            g._run("compact", self._feeds("compact", fill=np.array(self.fill, np.int64)))
             self.fill = [min(f, b) for f, b in zip(self.fill, g.budgets, strict=False)]
         return out
 

@@ -141,3 +141,23 @@ def test_tensorrt_missing(tiny_hf_dir, tmp_path, capsys, monkeypatch):
     assert eng["status"] == "done" and eng["note"].startswith("skipped: TensorRT is not installed")
     assert cj["engine_missing"] == "TensorRT is not installed (test)"
     assert "Parity: NOT RUN" in (out / "report.html").read_text()
+
+
+@pytest.mark.parametrize("variant", ["onnx", "baseline"])
+def test_step_runner_matches_generate(converted, variant):
+    """The profiler's step-by-step onnxruntime runner produces OrtGenerator.generate's greedy tokens."""
+    import numpy as np
+
+    from kvexport.export import OrtGenerator
+    from kvexport.profile.profiler import prompt_ids
+    from kvexport.profile.runners import OrtRunner
+
+    out, _ = converted
+    ids = prompt_ids(45, 4096, seed=7)  # several chunks, past the budget: compactions in prefill and decode
+    runner = OrtRunner(out / variant)
+    runner.start(45 + 12)
+    toks = [runner.prefill(ids)]
+    for _ in range(11):
+        toks.append(runner.decode(toks[-1]))
+    ref = OrtGenerator(out / variant).generate(ids, np.ones_like(ids), max_new_tokens=12)
+    assert toks == ref.tokens[0].tolist()

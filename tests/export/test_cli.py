@@ -1,0 +1,138 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`kvexport export / generate DIR / validate` end to end, determinism, and the bad-input contract."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from kvexport.cli import main
+from kvexport.paths import MODELS_DIR
+
+pytest.importorskip("onnxruntime")
+TOKENIZER = MODELS_DIR / "tokenizer"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Llama saved as a HF directory with the bundled tokenizer."""
+    if not (TOKENIZER / "tokenizer.json").is_file():
+        pytest.skip("bundled tokenizer missing")
+    from kvexport.models.tiny import tiny_model
+
+    d = tmp_path_factory.mktemp("m") / "tiny"
+    tiny_model("llama", vocab_size=4096, max_positions=256).save_pretrained(d)
+    for f in TOKENIZER.iterdir():
+        shutil.copyfile(f, d / f.name)
+    return d
+
+
+ARGS = ["--press", "streaming_llm", "--budget", "16", "--window", "4", "--chunk", "8"]
+
+
+@pytest.fixture(scope="module")
+def exported(model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("e") / "x"
+    assert main(["export", str(model_dir), "--out", str(out), *ARGS]) == 0
+    return out
+
+
+def test_cli_generate_and_validate(exported, capsys, model_dir):
+    from kvexport.export import OrtGenerator
+    from kvexport.export.exporter import press_from_dict
+    from kvexport.export.reference import torch_generate
+    from kvexport.models.loading import load_decoder, load_tokenizer
+
+    assert main(["generate", str(exported), "--prompt", "Once upon a time there was", "-n", "12"]) == 0
+    printed = capsys.readouterr().out
+    # the printed continuation is PyTorch's greedy continuation
+    tok = load_tokenizer(model_dir)
+    ids = np.array([tok("Once upon a time there was")["input_ids"]])
+    gen = OrtGenerator(exported)
+    dec, _ = load_decoder(model_dir)
+    ref = torch_generate(dec, gen.settings, ids, None, 12, eos_token_id=tok.eos_token_id,
+                         press=press_from_dict(gen.settings["press"]))
+    assert repr(tok.decode(ref.tokens[0].tolist()))[:20] in printed.replace("\n", "")
+    assert main(["validate", str(exported), "--steps", "64"]) == 0
+    pair = json.loads((exported / "parity.json").read_text())["pairs"]["pytorch~onnxruntime"]
+    assert pair["passed"] and pair["max_abs_logit_error"] <= 1e-4 and pair["token_agreement"] == 1.0
+    assert main(["validate", str(exported), "--steps", "64", "--atol", "0", "--rtol", "0"]) == 6  # ParityFailure
+
+
+def test_export_is_deterministic(exported, model_dir, tmp_path):
+    again = tmp_path / "again"
+    assert main(["export", str(model_dir), "--out", str(again), *ARGS]) == 0
+    names = sorted(p.relative_to(again).as_posix() for p in again.rglob("*") if p.is_file())
+    assert names == sorted(p.relative_to(exported).as_posix() for p in exported.rglob("*")
+                           if p.is_file() and p.name != "parity.json")
+    for n in names:
+        assert (again / n).read_bytes() == (exported / n).read_bytes(), n
+
+
+def test_graphs_pass_the_checker_and_carry_plugin_attributes(exported):
+    import onnx
+
+    from kvexport.export import ops
+
+    ops.register_schemas()
+    for g in ("prefill", "decode", "compact"):
+        m = onnx.load(str(exported / f"{g}.onnx"))
+        onnx.checker.check_model(m, full_check=True)
+        assert {(o.domain, o.version) for o in m.opset_import} >= {("", 18), ("kvexport", 1)}
+        nodes = [n for n in m.graph.node if n.domain == "kvexport"]
+        assert nodes and all(n.op_type == "TopKGather" for n in nodes)
+        for n in nodes:
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+            assert attrs["plugin_namespace"] == b"kvexport" and attrs["plugin_version"] == b"1"
+        assert {f.name for f in m.functions} == {"TopKGather"}
+        ins = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in m.graph.input}
+        outs = {o.name: [d.dim_value for d in o.type.tensor_type.shape.dim] for o in m.graph.output}
+        for name, shape in outs.items():  # cache outputs have the shapes of their inputs: bind in and out
+            if name.endswith("_out"):
+                assert ins[name[:-4] + "_in"] == shape and 0 not in shape[:3]
+
+
+def _code(args, capsys):
+    rc = main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    return rc, err
+
+
+def test_bad_inputs(exported, model_dir, tmp_path, capsys):
+    # non-empty --out without --force
+    rc, err = _code(["export", str(model_dir), "--out", str(exported), *ARGS], capsys)
+    assert rc == 2 and len(err) == 1 and "not empty" in err[0]
+    # chunk / budget beyond the model's positions (max_position_embeddings = 256)
+    out = tmp_path / "o"
+    rc, err = _code(["export", str(model_dir), "--out", str(out), "--chunk", "512"], capsys)
+    assert rc == 2 and "position range" in err[-1] and not out.exists()
+    rc, err = _code(["export", str(model_dir), "--out", str(out), "--press", "knorm", "--budget", "999"], capsys)
+    assert rc == 2 and "position range" in err[-1] and not out.exists()
+    rc, err = _code(["export", str(model_dir), "--out", str(out), "--press", "random", "--budget", "8"], capsys)
+    assert rc == 2 and "cannot be exported" in err[-1] and not out.exists()
+    assert [p for p in tmp_path.iterdir()] == []  # no temporary directory left behind
+    # empty prompt
+    rc, err = _code(["generate", str(exported), "--prompt", "  "], capsys)
+    assert rc == 2 and "empty" in err[-1]
+    # altered, missing, foreign, other version
+    bad = tmp_path / "bad"
+    shutil.copytree(exported, bad)
+    with open(bad / "decode.onnx", "ab") as f:
+        f.write(b"\0")
+    rc, err = _code(["generate", str(bad), "--prompt", "hi"], capsys)
+    assert rc == 4 and "altered" in err[-1]
+    shutil.rmtree(bad)
+    shutil.copytree(exported, bad)
+    (bad / "compact.onnx").unlink()
+    rc, err = _code(["validate", str(bad)], capsys)
+    assert rc == 4 and "missing compact.onnx" in err[-1]
+    shutil.rmtree(bad)
+    shutil.copytree(exported, bad)
+    doc = json.loads((bad / "manifest.json").read_text())
+    doc["kvexport_version"] = "9.9.9"
+    (bad / "manifest.json").write_text(json.dumps(doc))
+    rc, err = _code(["generate", str(bad), "--prompt", "hi"], capsys)
+    assert rc == 4 and "9.9.9" in err[-1]
