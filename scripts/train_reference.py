@@ -7,12 +7,14 @@ in sorted order. A file is held out when the first byte of ``sha256(relative_pat
 Tokenizer: byte-level BPE (``tokenizers``), vocab 4096, trained on the train split only.
 Models: ``LlamaForCausalLM`` with GQA and RoPE (theta 1e5, 32768 positions), tied embeddings.
 Training: AdamW, linear warm-up + cosine decay, random windows of 256 tokens from the concatenated
-train stream (each file wrapped in <|bos|> ... <|eos|>), fixed seeds, ``torch.set_num_threads(2)``.
+train stream (each file wrapped in <|bos|> ... <|eos|>), fixed seeds, ``torch.set_num_threads(--threads)``.
+The three sizes are independent processes; on a busy machine run them side by side with ``--threads 1``
+(``OMP_WAIT_POLICY=PASSIVE``) rather than one after the other with more threads.
 
 Usage::
 
-    python scripts/train_reference.py --size student      # ~20 min on 2 CPU cores
-    python scripts/train_reference.py --all               # tokenizer + all three models
+    python scripts/train_reference.py --size student      # ~6 CPU-minutes (wall time: see the model card)
+    python scripts/train_reference.py --all               # tokenizer + all three models, one after the other
     python scripts/train_reference.py --docs              # redraw the plot and tables from the logs
 """
 
@@ -77,7 +79,8 @@ SIZES = {
         heads=8,
         kv_heads=2,
         intermediate=704,
-        steps=700,
+        steps=350,
+        warmup=50,
         lr=2e-3,
         storage_dtype="float16",
     ),

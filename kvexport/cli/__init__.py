@@ -30,6 +30,7 @@ from kvexport.cli import trt_cmds  # noqa: E402,F401
 from kvexport.cli import convert_cmds  # noqa: E402,F401
 from kvexport.cli import mla_cmds  # noqa: E402,F401
 from kvexport.cli import export_cmds  # noqa: E402,F401
+from kvexport.cli import eval_cmds  # noqa: E402,F401
 
 
 def main(argv: list[str] | None = None) -> int:

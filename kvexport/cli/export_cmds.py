@@ -14,7 +14,8 @@ from kvexport.cli.common import PRESS_HELP, resolve_model
 
 @app.command("export")
 def export_cmd(
-    model: Optional[str] = typer.Argument(None, help="HF model directory. Default: the bundled reference student."),
+    model: Optional[str] = typer.Argument(None, help="HF model directory or a saved MLA directory (kvexport mla). "
+                                          "Default: the bundled reference student."),
     out: Path = typer.Option(..., "--out", "-o", help="Output directory (written atomically)."),
     press: str = typer.Option("none", help=PRESS_HELP + " Not exportable: random, optimal."),
     budget: Optional[int] = typer.Option(None, help="Tokens kept per layer and cache head after each compaction."),

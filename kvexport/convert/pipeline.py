@@ -81,7 +81,7 @@ class Pipeline:
                     raise
                 raise StageFailed(stage.name, e) from e
             rec.status, rec.seconds, rec.note = "done", time.perf_counter() - t0, note or ""
-            console.print(f"[green]{label:<22} done     {rec.seconds:7.1f}s[/]  {rec.note}", highlight=False)
+            console.print(f"[green]{label:<22} done     {rec.seconds:7.1f}s[/]  {rec.note}", highlight=False, soft_wrap=True)
         return self.records
 
 

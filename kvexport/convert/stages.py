@@ -38,6 +38,7 @@ class ConvertState:
     decoder: Any = None
     mla_decoder: Any = None
     export_source: Any = None
+    out: Path | None = None  # the final --out (work is renamed onto it at the end)
     parity: dict[str, Any] | None = None
     engine_missing: str | None = None
     notes: dict[str, Any] = field(default_factory=dict)
@@ -219,6 +220,8 @@ def stage_validate(st: ConvertState) -> str:
     from kvexport.convert.exporting import run_validate
 
     parity = run_validate(st)
+    if isinstance(parity, dict) and "export" in parity and st.out is not None:
+        parity["export"] = str(st.out.resolve() / layout.ONNX_DIR)  # not the temporary directory
     st.parity = parity
     (st.work / layout.PARITY_JSON).write_text(json.dumps(parity, indent=2, default=str))
     from kvexport.report.collect import normalize_parity
@@ -306,7 +309,7 @@ def run_convert(cfg: ConvertConfig, out: str | Path, force: bool = False, consol
             raise MissingBackend(f"--target tensorrt: {problem}; nothing was written (add --allow-partial to keep "
                                  "the ONNX result, or use --target onnx)")
     with atomic_output(out, force) as tmp:
-        st = ConvertState(cfg=cfg, model_path=model_path, work=Path(tmp), spec=spec)
+        st = ConvertState(cfg=cfg, model_path=model_path, work=Path(tmp), spec=spec, out=out)
         stages = [
             Stage("load", lambda: stage_load(st)),
             Stage("rewrite", lambda: stage_rewrite(st), cfg.uses_mla, "no MLA (eviction is applied in the export)"),

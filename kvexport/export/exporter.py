@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from kvexport.errors import BadModel, BadUsage
+from kvexport.errors import BadUsage
 from kvexport.export import graphs, ops
 from kvexport.export.manifest import atomic_output, check_out_dir, write_manifest
 
@@ -77,13 +77,21 @@ def resolve_decoder(model, dtype: str, mla_rank: int | None, rope_dim: int | Non
     from kvexport.models.loading import load_hf_model
 
     path = None
+    rewritten = False
     if isinstance(model, Decoder):
         dec = model
     elif isinstance(model, torch.nn.Module):
         dec = Decoder.from_hf(load_hf_model(model))
     else:
         path = Path(model)
-        dec = Decoder.from_hf(load_hf_model(path, "fp32"))
+        try:
+            from kvexport.mla.io import is_mla_dir, load_mla
+        except ImportError:  # pragma: no cover - kvexport.mla ships with kvexport
+            is_mla_dir = None
+        if is_mla_dir is not None and is_mla_dir(path):  # a saved MLA model (kvexport mla / convert)
+            dec = load_mla(path, dtype=torch.float32)
+        else:
+            dec = Decoder.from_hf(load_hf_model(path, "fp32"))
     model_hash = _hash_model(dec, path)
     mla = None
     if mla_rank is not None:
@@ -97,6 +105,7 @@ def resolve_decoder(model, dtype: str, mla_rank: int | None, rope_dim: int | Non
             kw["rope_dim"] = int(rope_dim)
         settings = MLASettings(**kw)
         dec = rewrite_to_mla(dec, settings)
+        rewritten = True
     elif rope_dim is not None:
         raise BadUsage("--rope-dim needs --mla-rank")
     if _is_mla(dec):
@@ -106,7 +115,7 @@ def resolve_decoder(model, dtype: str, mla_rank: int | None, rope_dim: int | Non
         s = getattr(dec, "mla_settings", None)
         mla = {"settings": s.to_dict() if s is not None else None,
                "kv_ranks": [int(layer.self_attn.kv_rank) for layer in dec.layers],
-               "rope_dim": int(dec.layers[0].self_attn.rope_dim)}
+               "rope_dim": int(dec.layers[0].self_attn.rope_dim), "rewritten_by_export": rewritten}
     dec = dec.to(DTYPES[dtype]).eval()
     return dec, path, model_hash, mla
 
@@ -290,9 +299,8 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
             raise BadUsage(f"--budget {p.budget} exceeds the model's position range ({max_pos})")
         if p.budget <= p.always_kept():
             raise BadUsage(f"--budget {p.budget} must exceed the {p.always_kept()} tokens {p.name} always keeps")
-    else:
-        budgets = [max_pos] * L
-        window_eff = 0
+    else:  # full static cache: capacity = --max-positions (default: the position range, at most 8192)
+        budgets = [int(max_positions or min(limit, 8192))] * L
     window_eff = int(window) if p is not None else 0
     td = DTYPES[dtype]
     custom = opsel == "custom"
@@ -376,6 +384,3 @@ def _export_dynamic(dec, tmp: Path, batch: int, td, custom: bool) -> dict[str, A
                       ["logits", "present_positions"] + names_out, custom, dynamic_shapes=tuple(dyn))
     return {"file": "model.onnx", "external_data": _save(m, tmp / "model.onnx"), **_io(m)}
 
-
-def _unused():  # keep BadModel imported for callers that catch it from here
-    return BadModel

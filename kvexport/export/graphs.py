@@ -43,7 +43,7 @@ class LayerShape:
 
 def layer_shapes(decoder, budgets: list[int], window: int) -> list[LayerShape]:
     out = []
-    for b, layer in zip(budgets, decoder.layers):
+    for b, layer in zip(budgets, decoder.layers, strict=False):
         a = layer.self_attn
         out.append(LayerShape(a.cache_heads, a.key_dim, a.value_dim, a.num_heads,
                               getattr(a, "score_dim", a.head_dim), b, b + window))
@@ -158,7 +158,7 @@ class DecodeStep(_CacheGraph):
 
     def forward(self, input_ids, positions, slot, *cache):
         layers, qpos = self.split(cache)
-        B = input_ids.shape[0]
+        input_ids.shape[0]
         h = self.decoder.embed_tokens(input_ids)
         out = []
         for i, layer in enumerate(self.decoder.layers):

@@ -47,7 +47,7 @@ def torch_generate(decoder, settings: dict, input_ids, attention_mask=None, max_
         t_ids = torch.from_numpy(ids_p[:, c * C : (c + 1) * C]).to(dev)
         t_pos = torch.from_numpy(pos_p[:, c * C : (c + 1) * C]).to(dev)
         logits = decoder(t_ids, t_pos, cache, mode="prefill")
-        if press is not None and any(f + C > lc.budget for f, lc in zip(fills, cache.layers)):
+        if press is not None and any(f + C > lc.budget for f, lc in zip(fills, cache.layers, strict=False)):
             res.compactions += 1
             res.kept_positions.append([p.cpu().numpy() for p in cache.kept_positions()])
             res.compaction_steps.append(f"prefill:{c}")

@@ -15,6 +15,7 @@ The ``--dynamic-cache`` baseline binds its growing ``present_*`` outputs to fres
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,8 @@ class OrtGenerationResult:
     compaction_steps: list[str] = field(default_factory=list)  # "prefill:<chunk>" / "decode:<step>"
     compactions: int = 0
     cache_bytes: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: list[float] = field(default_factory=list)  # wall time of each decode step (incl. compaction)
 
 
 def positions_from_mask(mask: np.ndarray) -> np.ndarray:
@@ -188,6 +191,7 @@ class OrtGenerator:
         ids_p = np.concatenate([ids, np.zeros((B, pad), np.int64)], axis=1)
         pos_p = np.concatenate([pos, np.full((B, pad), -1, np.int64)], axis=1)
         self.reset()
+        t0 = time.perf_counter()
         fill = [0] * L
         res = OrtGenerationResult(tokens=np.zeros((B, 0), np.int64), prompt_logits=np.zeros(0))
         for c in range(n_chunks):
@@ -195,8 +199,8 @@ class OrtGenerator:
             self._run("prefill", {"input_ids": ids_p[:, c * C : (c + 1) * C], "positions": pos_p[:, c * C : (c + 1) * C],
                                   "last_index": np.array([last_index], np.int64), "fill": np.array(fill, np.int64)})
             if self.press is not None:
-                compacted = any(f + C > b for f, b in zip(fill, self.budgets))
-                fill = [min(f + C, b) for f, b in zip(fill, self.budgets)]
+                compacted = any(f + C > b for f, b in zip(fill, self.budgets, strict=False))
+                fill = [min(f + C, b) for f, b in zip(fill, self.budgets, strict=False)]
                 if compacted:
                     res.compactions += 1
                     if track_kept:
@@ -206,6 +210,7 @@ class OrtGenerator:
                 fill = [f + C for f in fill]
         last = self.logits.numpy().copy()
         res.prompt_logits = last
+        res.prefill_seconds = time.perf_counter() - t0
         next_pos = pos.max(axis=1) + 1
         done = np.zeros(B, bool)
         out = []
@@ -214,18 +219,20 @@ class OrtGenerator:
             out.append(tok)
             if step == max_new - 1 or (eos is not None and done.all()):
                 break
+            t0 = time.perf_counter()
             self._run("decode", {"input_ids": tok[:, None], "positions": next_pos[:, None].astype(np.int64),
                                  "slot": np.array(fill, np.int64)})
             last = self.logits.numpy().copy()
             res.step_logits.append(last)
             fill = [f + 1 for f in fill]
-            if self.press is not None and any(f >= c for f, c in zip(fill, self.caps)):
+            if self.press is not None and any(f >= c for f, c in zip(fill, self.caps, strict=False)):
                 self._run("compact", {"fill": np.array(fill, np.int64)})
-                fill = [min(f, b) for f, b in zip(fill, self.budgets)]
+                fill = [min(f, b) for f, b in zip(fill, self.budgets, strict=False)]
                 res.compactions += 1
                 if track_kept:
                     res.kept_positions.append(self._positions_now())
                     res.compaction_steps.append(f"decode:{step}")
+            res.decode_seconds.append(time.perf_counter() - t0)
             next_pos = next_pos + 1
         res.tokens = np.stack(out, axis=1)
         res.cache_bytes = self.cache_bytes
@@ -243,14 +250,17 @@ class OrtGenerator:
                 shp[0], shp[2] = B, 0
                 past[inp.name] = np.zeros(shp, self.dtype)
         past_pos = np.zeros((B, 0), np.int64)
-        feeds_ids, feeds_pos = ids, pos
+        C = int(self.settings["chunk"])
+        chunks = [(ids[:, c : c + C], pos[:, c : c + C]) for c in range(0, ids.shape[1], C)]  # prefill in chunks
         res = OrtGenerationResult(tokens=np.zeros((B, 0), np.int64), prompt_logits=np.zeros(0))
         next_pos = pos.max(axis=1) + 1
         done = np.zeros(B, bool)
         out = []
         last = None
         step = -1
+        t0 = time.perf_counter()
         while True:
+            feeds_ids, feeds_pos = chunks.pop(0)
             io = sess.io_binding()
             io.bind_cpu_input("input_ids", np.ascontiguousarray(feeds_ids))
             io.bind_cpu_input("positions", np.ascontiguousarray(feeds_pos))
@@ -263,21 +273,26 @@ class OrtGenerator:
             for name in g["outputs"]:
                 io.bind_output(name, self.device)
             sess.run_with_iobinding(io)
-            outs = dict(zip(g["outputs"], io.get_outputs()))
-            last = outs["logits"].numpy()
-            if step < 0:
-                res.prompt_logits = last
-            else:
-                res.step_logits.append(last)
+            outs = dict(zip(g["outputs"], io.get_outputs(), strict=False))
             past = {n.replace("present_", "past_"): outs[n] for n in g["outputs"] if n.startswith("present_k")
                     or n.startswith("present_v")}
             past_pos = outs["present_positions"].numpy()
+            if chunks:  # more prompt to feed
+                continue
+            last = outs["logits"].numpy()
+            if step < 0:
+                res.prompt_logits = last
+                res.prefill_seconds = time.perf_counter() - t0
+            else:
+                res.step_logits.append(last)
+                res.decode_seconds.append(time.perf_counter() - t0)
             step += 1
             tok = self._next_token(last, step, forced, done, eos)
             out.append(tok)
             if step == max_new - 1 or (eos is not None and done.all()):
                 break
-            feeds_ids, feeds_pos = tok[:, None], next_pos[:, None].astype(np.int64)
+            chunks.append((tok[:, None], next_pos[:, None].astype(np.int64)))
+            t0 = time.perf_counter()
             next_pos = next_pos + 1
         res.tokens = np.stack(out, axis=1)
         res.cache_bytes = sum(v.numpy().nbytes for v in past.values()) if past else 0

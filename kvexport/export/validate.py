@@ -161,8 +161,8 @@ def _kept_agreement(ref, ort) -> tuple[int, int]:
     if ref.compaction_steps != ort.compaction_steps:
         n = max(len(ref.compaction_steps), len(ort.compaction_steps))
         return 0, max(n, 1)
-    for kr, ko in zip(ref.kept_positions, ort.kept_positions):
-        for a, b in zip(kr, ko):  # per layer (B, Hc, S)
+    for kr, ko in zip(ref.kept_positions, ort.kept_positions, strict=False):
+        for a, b in zip(kr, ko, strict=False):  # per layer (B, Hc, S)
             for r in range(a.shape[0]):
                 for h in range(a.shape[1]):
                     x, y = a[r, h], b[r, h]
@@ -184,7 +184,7 @@ def load_reference_model(manifest: dict, model=None):
         raise BadArtifact(f"the export's source model {src} no longer exists; pass the model explicitly")
     mla = s.get("mla")
     rank = rope = None
-    if mla is not None and mla.get("settings") is not None and not _is_decoder_mla(src):
+    if mla is not None and mla.get("rewritten_by_export") and not _is_decoder_mla(src):
         rank, rope = mla["settings"].get("kv_rank"), mla["settings"].get("rope_dim")
     dec, _, model_hash, _ = resolve_decoder(src, s["dtype"], rank, rope)
     if model is None and model_hash != manifest.get("model_hash"):

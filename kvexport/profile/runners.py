@@ -79,7 +79,8 @@ class OrtRunner:
     The generator's ``generate()`` runs a whole request; the profiler needs each step on its own, so this
     runner drives the generator's sessions and cache buffers with the same host rules as
     ``OrtGenerator._generate_static`` / ``_generate_dynamic`` (chunked prefill with the last chunk padded,
-    decode at slot ``fill``, host-triggered compaction; the baseline feeds its growing past back).
+    decode at slot ``fill``, host-triggered compaction; the baseline feeds its growing past back, and takes
+    the prompt in chunks of the export's ``chunk`` too, so both variants prefill the same way).
     """
 
     backend = "onnxruntime"
@@ -134,9 +135,14 @@ class OrtRunner:
         pos = np.arange(N, dtype=np.int64)[None]
         self.next_pos = N
         g = self.gen
-        if g.dynamic:
-            return int(self._run_dynamic(ids, pos).argmax(-1)[0])
         C = int(self.s["chunk"])
+        if g.dynamic:
+            # the growing-past graph takes any number of new tokens: feed the prompt in the same chunks as the
+            # static export (one shot would need a (heads, N, N) score tensor: 1 GiB per layer at 8k tokens)
+            logits = None
+            for c in range(0, N, C):
+                logits = self._run_dynamic(ids[:, c:c + C], pos[:, c:c + C])
+            return int(logits[:, -1].argmax(-1)[0]) if logits.ndim == 3 else int(logits.argmax(-1)[0])
         n_chunks = -(-N // C)
         pad = n_chunks * C - N
         if g.press is None and n_chunks * C >= min(g.caps):
@@ -161,7 +167,8 @@ class OrtRunner:
         pos = np.array([[self.next_pos]], np.int64)
         self.next_pos += 1
         if g.dynamic:
-            return int(self._run_dynamic(tok, pos).argmax(-1)[0])
+            logits = self._run_dynamic(tok, pos)
+            return int(logits[:, -1].argmax(-1)[0]) if logits.ndim == 3 else int(logits.argmax(-1)[0])
         g._run("decode", self._feeds("decode", input_ids=tok, positions=pos, slot=np.array(self.fill, np.int64)))
         out = int(self._logits().argmax(-1)[0])
         self.fill = [f + 1 for f in self.fill]

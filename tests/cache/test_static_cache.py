@@ -247,3 +247,34 @@ def test_kept_tokens_keep_their_rope(model, name):
     assert (p >= 0).all()
     ref = k0.gather(2, p[..., None].expand(*p.shape, k0.shape[-1]))
     torch.testing.assert_close(lc.k[:, :, : lc.fill], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ALL_PRESSES)
+@torch.no_grad()
+def test_chunked_prefill_with_padding_longer_than_a_chunk(model, name):
+    """Rows of 45, 12 and 30 tokens fed in chunks of 8: row 2's first four chunks are all padding.
+    After every chunk each row holds min(budget, real tokens so far) valid slots and no padding; logits
+    stay finite; StreamingLLM keeps each row's sinks + newest tokens, as a solo single-shot prefill."""
+    _, dec = model
+    lens = [45, 12, 30]
+    rows, ids, mask = padded_batch(lens, seed=30)
+    pos = positions_from_mask(mask)
+    press = build_press(name, dec, ids, mask)
+    budgets = press.layer_budgets(dec.spec.num_layers, max(lens))
+    cache = dec.new_cache(3, press, budgets, WINDOW)
+    for s in range(0, 45, 8):
+        logits = dec(ids[:, s : s + 8], pos[:, s : s + 8], cache, mode="prefill")
+        seen = (pos[:, : s + 8] >= 0).sum(-1)
+        for lc, budget in zip(cache.layers, budgets, strict=True):
+            p = lc.pos[:, :, : lc.fill]
+            assert ((p >= 0).sum(-1) == seen.clamp(max=budget)[:, None]).all()
+    assert torch.isfinite(logits[:, -1]).all()
+    if name == "streaming_llm":
+        for i, n in enumerate(lens):
+            want = list(range(n)) if n <= BUDGET else [0, 1, 2, 3] + list(range(n - BUDGET + 4, n))
+            for lc in cache.layers:
+                p = lc.pos[i, 0, : lc.fill]
+                assert p[p >= 0].tolist() == want
+    res = generate(dec, ids, mask, press=build_press(name, dec, ids, mask), window=WINDOW, chunk=8,
+                   max_new_tokens=12)
+    assert res.compactions >= 1 and res.tokens.shape == (3, 12)

@@ -80,7 +80,7 @@ def test_topk_gather_torch_onnx_numpy(case):
     got_t = ops.topk_gather(*(torch.from_numpy(x) for x in (scores, keys, values, positions)), k)
     got_o = _run(topk_gather_model(B, H, S, Dk, Dv, k, dtype),
                  {"scores": scores, "keys": keys, "values": values, "positions": positions})
-    for w, t, o in zip(want, got_t, got_o):
+    for w, t, o in zip(want, got_t, got_o, strict=False):
         np.testing.assert_array_equal(t.numpy(), w)
         np.testing.assert_array_equal(o, w)
 
@@ -98,7 +98,7 @@ def test_topk_gather_reference_evaluator():
     got = ReferenceEvaluator(m).run(None, {"scores": scores, "keys": keys, "values": values, "positions": positions})
     want = topk_gather_numpy(scores, keys, values, positions, 4)
     np.testing.assert_array_equal(got[3], [[[0, 1, 2, 5], [0, 1, 3, 4]]])
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=False):
         np.testing.assert_array_equal(g, w)
 
 

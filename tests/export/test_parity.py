@@ -37,7 +37,7 @@ def _press(kw):
 
 def _cases():
     out = []
-    for (family, extra), fid in zip(FAMILIES, FAMILY_IDS):
+    for (family, extra), fid in zip(FAMILIES, FAMILY_IDS, strict=False):
         for name in CONFIGS:
             marks = [] if fid == "llama-gqa" else [pytest.mark.slow]
             out.append(pytest.param(family, extra, name, id=f"{fid}-{name}", marks=marks))

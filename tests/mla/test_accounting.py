@@ -70,3 +70,17 @@ def test_inspect_saved_mla_dir_matches_its_cache(tiny_models, tmp_path):
     assert d["bytes_per_sequence"] == cache.nbytes()
     assert cache_report(mla.spec, mla_ranks=[p.kv_rank for p in mla.mla_plans], rope_dim=8, context=24,
                         dtype="float32").bytes_per_element == torch.float32.itemsize
+
+
+def test_inspect_energy_uses_the_weights(tmp_path):
+    """--mla-energy reads the weights: per-layer elements = the ranks the rewrite picks + d_rope."""
+    from kvexport.models.loading import load_decoder
+    from kvexport.models.tiny import tiny_model
+
+    tiny_model("mistral", seed=4).save_pretrained(tmp_path / "hf")
+    res = CliRunner().invoke(app, ["inspect", str(tmp_path / "hf"), "--mla-energy", "0.7", "--rope-dim", "8",
+                                   "--json"])
+    d = json.loads(res.output[res.output.index("{"):])
+    plans = rewrite_to_mla(load_decoder(tmp_path / "hf")[0], MLASettings(energy=0.7, rope_dim=8)).mla_plans
+    assert d["elements_per_token_layer"] == [p.kv_rank + 8 for p in plans]
+    assert d["mla"]["energy"] == 0.7

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from kvexport.mla import load_mla
 from kvexport.mla.distill import DistillConfig, distill, evaluate_kl
@@ -46,3 +47,24 @@ def test_resume_equals_uninterrupted(distill_setup, tmp_path):
     assert resumed["fingerprint"] == full["fingerprint"]
     log = [json.loads(line)["step"] for line in (tmp_path / "b" / "distill_log.jsonl").read_text().splitlines()]
     assert log == [1, 2, 3, 4, 5, 6]
+
+
+def test_ce_mix_is_logged_and_added(distill_setup, tmp_path):
+    """loss = KL + w · CE, with CE the next-token cross-entropy of the student (checked at step 1 by hand)."""
+    import torch.nn.functional as F
+
+    from kvexport.mla.distill import forward_kl, global_batches
+
+    d, teacher_dir, train, _ = distill_setup
+    student, teacher = student_and_teacher(teacher_dir)
+    cfg = DistillConfig(tokens=2 * 2 * 32, seq_len=32, batch_size=2, lr=1e-3, ce_weight=0.5)
+    x = global_batches(train, cfg)[:2]
+    pos = torch.arange(32).expand(2, 32)
+    with torch.no_grad():
+        s, t = student(x, pos), teacher(x, pos)
+        kl0 = forward_kl(t, s).item()
+        ce0 = F.cross_entropy(s[:, :-1].reshape(-1, s.shape[-1]), x[:, 1:].reshape(-1)).item()
+    distill(student, teacher, train, tmp_path / "o", cfg, cpu=True, progress=False)
+    first = json.loads((tmp_path / "o" / "distill_log.jsonl").read_text().splitlines()[0])
+    assert first["kl"] == pytest.approx(kl0, rel=1e-5) and first["ce"] == pytest.approx(ce0, rel=1e-5)
+    assert first["loss"] == pytest.approx(kl0 + 0.5 * ce0, rel=1e-5)

@@ -61,3 +61,22 @@ def test_refuses_to_clobber_and_damaged_dirs(tiny_models, tmp_path):
     with pytest.raises(BadArtifact, match="not valid JSON"):
         load_mla(out)
     assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no temporary leftovers
+
+
+def test_cli_rewrite_matches_api(tmp_path):
+    """`kvexport rewrite` writes the directory the API would build (same logits), tokenizer and HF config included."""
+    from kvexport.cli import main
+    from tests.mla.distill_fixtures import model_dir
+
+    src = model_dir(tmp_path / "hf", "qwen2")
+    assert main(["rewrite", str(src), "--mla-rank", "16", "--rope-dim", "8", "--out", str(tmp_path / "mla")]) == 0
+    from kvexport.models.loading import load_decoder
+
+    ref = rewrite_to_mla(load_decoder(src)[0], MLASettings(kv_rank=16, rope_dim=8))
+    back = load_mla(tmp_path / "mla")
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(16)[None]
+    with torch.no_grad():
+        assert torch.equal(ref(ids, pos), back(ids, pos))
+    assert (tmp_path / "mla" / "tokenizer.json").is_file()
+    assert json.loads((tmp_path / "mla" / "kvexport_mla.json").read_text())["hf_config"]["model_type"] == "qwen2"

@@ -1,0 +1,130 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The benchmark's rows (what a user would run) and model shapes, with the analytic KV-cache size of each.
+
+Rows, all greedy decoding at batch 1 of the same model and prompt:
+
+    hf              transformers ``generate`` in PyTorch, full (growing) cache
+    optimum         ``optimum-cli export onnx --task text-generation-with-past`` on onnxruntime (own venv)
+    kvx-dynamic     kvexport ``--press none --dynamic-cache``: our full-cache, growing-past export
+    kvx-snapkv      kvexport static budget, SnapKV, budget + window slots per layer
+    kvx-streaming   kvexport static budget, StreamingLLM
+    kvx-mla         kvexport MLA latent cache (r_kv + d_rope per token and layer, ≈6.4× smaller), full context
+    kvx-mla-snapkv  MLA + SnapKV static budget
+
+Shapes: ``student`` (models/kvx-student), ``llama1b`` (Llama-3.2-1B's hidden size, heads, KV heads, head dim
+and MLP width with fewer layers, random weights), ``tiny`` (CI smoke test).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvexport.profile.kv_bytes import CacheShape
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    kind: str  # "hf" | "optimum" | "kvx"
+    label: str
+    press: str | None = None
+    mla: bool = False
+    dynamic_cache: bool = False
+
+    @property
+    def static_budget(self) -> bool:
+        return self.press is not None
+
+    def export_kwargs(self, shape: "Shape") -> dict[str, Any]:
+        """Keyword arguments of ``kvexport.export.export_model`` for this row on ``shape``."""
+        kw: dict[str, Any] = {"chunk": shape.chunk, "window": shape.window}
+        if self.dynamic_cache:
+            kw.update(press="none", dynamic_cache=True)
+        if self.press is not None:
+            kw.update(press=self.press, budget=shape.budget)
+        if self.mla:
+            kw.update(mla_rank=shape.mla_rank, rope_dim=shape.rope_dim)
+        return kw
+
+
+ROWS: dict[str, Row] = {r.name: r for r in [
+    Row("hf", "hf", "HF transformers generate (PyTorch, full cache)"),
+    Row("optimum", "optimum", "HF Optimum ONNX export (onnxruntime, full cache)"),
+    Row("kvx-dynamic", "kvx", "kvexport --press none --dynamic-cache (onnxruntime, full cache)", dynamic_cache=True),
+    Row("kvx-snapkv", "kvx", "kvexport SnapKV static budget", press="snapkv"),
+    Row("kvx-streaming", "kvx", "kvexport StreamingLLM static budget", press="streaming_llm"),
+    Row("kvx-mla", "kvx", "kvexport MLA (≈6.4× smaller cache, full context)", mla=True),
+    Row("kvx-mla-snapkv", "kvx", "kvexport MLA + SnapKV static budget", press="snapkv", mla=True),
+]}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model shape: where its HF checkpoint comes from and the kvexport settings used on it."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    max_positions: int
+    budget: int = 256
+    window: int = 32
+    chunk: int = 128
+    mla_rank: int = 128
+    rope_dim: int = 32
+    source: str | None = None  # a local HF directory; None = random weights generated from the fields
+    tie: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def cache_shape(self, row: Row, dtype_bytes: int = 4) -> CacheShape:
+        """Analytic cache layout of ``row`` on this shape (kvexport.profile.kv_bytes)."""
+        return CacheShape(num_layers=self.layers, num_kv_heads=self.kv_heads, head_dim=self.head_dim,
+                          mla_ranks=(self.mla_rank,) * self.layers if row.mla else None,
+                          rope_dim=self.rope_dim if row.mla else 0,
+                          budget=self.budget if row.static_budget else None,
+                          window=self.window if row.static_budget else 0, dtype_bytes=dtype_bytes)
+
+    def kv_bytes(self, row: Row, context: int) -> int:
+        """K/V bytes held for one sequence of ``context`` tokens. A static export allocates its capacity up
+        front: budget + window slots with a press, ``max_positions`` slots for the full-cache MLA export."""
+        cs = self.cache_shape(row)
+        if row.mla and not row.static_budget:
+            return cs.bytes_at(self.max_positions)
+        return cs.bytes_at(context)
+
+    def mla_ratio(self) -> float:
+        return (2 * self.kv_heads * self.head_dim) / (self.mla_rank + self.rope_dim)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+SHAPES: dict[str, Shape] = {
+    # the reference student: hidden 128, 4 layers, 4 heads / 2 KV heads of 32, max positions 32768.
+    # 2·2·32 = 128 cache elements per token and layer; r_kv 12 + d_rope 8 = 20 -> 6.4×.
+    "student": Shape("student", hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, intermediate=384,
+                     vocab=4096, max_positions=32768, mla_rank=12, rope_dim=8, source="models/kvx-student"),
+    # Llama-3.2-1B's per-layer shape (hidden 2048, 32 heads, 8 KV heads of 64, MLP 8192), 2 layers, a 32k
+    # vocabulary (1B's 128k vocabulary would make the LM head most of a step). r_kv 128 + d_rope 32 -> 6.4×.
+    "llama1b": Shape("llama1b", hidden=2048, layers=2, heads=32, kv_heads=8, head_dim=64, intermediate=8192,
+                     vocab=32000, max_positions=32768, mla_rank=128, rope_dim=32),
+    # CI smoke test: tiny, fast to export. 2·2·16 = 64 elements per token and layer; 8 + 2 = 10 -> 6.4×.
+    "tiny": Shape("tiny", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256,
+                  max_positions=1024, budget=32, window=8, chunk=32, mla_rank=8, rope_dim=2),
+}
+
+CONTEXTS_FULL = [512, 2048, 8192, 16384, 32768]
+CONTEXTS_QUICK = [512, 2048]
+CONTEXTS_TINY = [64, 128]
+
+
+def prompt_tokens(shape: Shape, context: int, steps: int) -> int:
+    """Prompt length for a context column: the context itself, less room for decoding and one prefill chunk
+    of padding when it would not fit the model's positions (the "32k" column on a 32768-position model)."""
+    room = steps + 1 + shape.chunk
+    return min(int(context), shape.max_positions - room)

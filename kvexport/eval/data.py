@@ -1,0 +1,69 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Held-out text for evaluations: the Python standard library split used to train the reference models.
+
+Every ``*.py`` file under ``sysconfig.get_paths()["stdlib"]``, skipping ``site-packages``, ``test``,
+``tests``, ``idle_test``, ``pydoc_data`` and ``__pycache__``, sorted by relative POSIX path. A file is
+held out iff the first byte of ``sha256(relative path)`` is below :data:`HELDOUT_BYTE` (≈5 %).
+``scripts/train_reference.py`` trains on the rest, so these files were never seen in training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from pathlib import Path
+
+import torch
+
+EXCLUDED_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "pydoc_data", "__pycache__"})
+HELDOUT_BYTE = 13
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def corpus_files() -> tuple[list[str], list[str]]:
+    """-> (train, held-out): stdlib-relative POSIX paths, sorted."""
+    root = stdlib_root()
+    rels = sorted(
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*.py")
+        if not EXCLUDED_DIRS.intersection(p.relative_to(root).parts)
+    )
+    train, held = [], []
+    for r in rels:
+        (held if hashlib.sha256(r.encode()).digest()[0] < HELDOUT_BYTE else train).append(r)
+    return train, held
+
+
+def read_text(rel: str) -> str | None:
+    """A stdlib file's text, or None when it is not UTF-8."""
+    try:
+        return (stdlib_root() / rel).read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return None
+
+
+def heldout_stream(tokenizer) -> torch.Tensor:
+    """(N,) int64: the held-out files tokenized and concatenated, each as ``bos text eos`` when the
+    tokenizer has those tokens."""
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    out: list[int] = []
+    for rel in corpus_files()[1]:
+        text = read_text(rel)
+        if text is None:
+            continue
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        out += ([bos] if bos is not None else []) + ids + ([eos] if eos is not None else [])
+    return torch.tensor(out, dtype=torch.long)
+
+
+def heldout_windows(tokenizer, n: int, length: int) -> torch.Tensor:
+    """(n', length) int64, n' <= n: non-overlapping windows spread evenly over :func:`heldout_stream`."""
+    stream = heldout_stream(tokenizer)
+    total = stream.numel() // length
+    if total == 0:
+        return stream.new_zeros(0, length)
+    idx = torch.linspace(0, total - 1, min(n, total)).long()
+    return torch.stack([stream[i * length : (i + 1) * length] for i in idx.tolist()])

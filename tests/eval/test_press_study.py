@@ -1,0 +1,109 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``kvexport eval presses``: the metric definitions, checked against HF and against themselves."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from kvexport.eval.data import HELDOUT_BYTE, corpus_files
+from kvexport.eval.press_study import STUDY_PRESSES, PressStudy, press_study, run_window
+from kvexport.models.decoder import Decoder
+from kvexport.paths import DEFAULT_MODEL
+
+P, F = 40, 6
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_models):
+    hf = tiny_models("llama")
+    windows = torch.randint(3, 128, (3, P + F + 1), generator=torch.Generator().manual_seed(0))
+    return hf, Decoder.from_hf(hf), windows
+
+
+def test_full_cache_run_is_hf_forward(tiny):
+    """The reference run (press=None) gives HF's logits and HF's per-layer outputs at the future tokens."""
+    hf, dec, w = tiny
+    h, logits = run_window(dec, w, P, F)
+    with torch.no_grad():
+        out = hf(w[:, : P + F], output_hidden_states=True)
+    assert (logits - out.logits[:, P : P + F]).abs().max().item() < 1e-4
+    L = dec.spec.num_layers
+    for layer in range(L - 1):  # HF's last hidden state has the final norm applied; ours does not
+        assert (h[layer] - out.hidden_states[layer + 1][:, P : P + F]).abs().max().item() < 1e-4
+
+
+def test_ratio_zero_is_exactly_the_full_cache(tiny):
+    _, dec, w = tiny
+    res = press_study(dec, w, PressStudy(ratios=(0.0,), presses=STUDY_PRESSES, prompt_len=P, future_len=F, batch=2))
+    for press, by_ratio in res["results"].items():
+        r = by_ratio["0"]
+        assert r["discrepancy"] == 0.0 and r["relative_discrepancy"] == 0.0, press
+        assert r["agreement"] == 1.0 and r["ppl"] == pytest.approx(res["full_cache"]["ppl"], rel=1e-9), press
+
+
+def test_metrics_match_their_definition(tiny):
+    """discrepancy = mean over windows, future tokens, layers of the L2 norm; ppl and agreement by hand."""
+    hf, dec, w = tiny
+    study = PressStudy(ratios=(0.6,), presses=("knorm",), prompt_len=P, future_len=F, batch=2)
+    res = press_study(dec, w, study)["results"]["knorm"]["0.6"]
+    from kvexport.presses import make_press
+
+    h_ref, lg_ref = run_window(dec, w, P, F)
+    h, lg = run_window(dec, w, P, F, make_press("knorm", compression_ratio=0.6))
+    d = (h - h_ref).norm(dim=-1)  # (L, B, F)
+    assert res["discrepancy"] == pytest.approx(d.mean().item(), rel=1e-5)
+    assert res["discrepancy_per_layer"] == pytest.approx(d.mean((1, 2)).tolist(), rel=1e-5)
+    assert res["discrepancy"] > 0
+    ce = torch.nn.functional.cross_entropy(lg.flatten(0, 1), w[:, P + 1 :].flatten())
+    assert res["ppl"] == pytest.approx(math.exp(ce.item()), rel=1e-5)
+    assert res["agreement"] == pytest.approx((lg.argmax(-1) == lg_ref.argmax(-1)).float().mean().item())
+
+
+def test_split_is_deterministic_and_disjoint():
+    train, held = corpus_files()
+    assert not set(train) & set(held) and train == sorted(train) and held == sorted(held)
+    assert 0.02 < len(held) / (len(train) + len(held)) < 0.1  # HELDOUT_BYTE / 256 ≈ 5 %
+    assert HELDOUT_BYTE == 13 and corpus_files() == (train, held)
+    assert not any(p.startswith(("test/", "site-packages/")) for p in train + held)
+
+
+@pytest.mark.skipif(not (DEFAULT_MODEL / "config.json").exists(), reason="bundled student not trained")
+def test_cli_on_student_optimal_beats_random(tmp_path):
+    """On the trained student the oracle's outputs drift less than random eviction; full-cache ppl = HF's."""
+    from kvexport.cli import main
+    from kvexport.eval.data import heldout_windows
+    from kvexport.models.loading import load_hf_model, load_tokenizer
+
+    out = tmp_path / "study"
+    rc = main(
+        [
+            "eval",
+            "presses",
+            str(DEFAULT_MODEL),
+            "--ratios",
+            "0.5,0.8",
+            "--presses",
+            "random,optimal",
+            "--windows",
+            "2",
+            "--prompt-len",
+            "64",
+            "--future-len",
+            "8",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0 and out.with_suffix(".png").stat().st_size > 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    for r in ("0.5", "0.8"):
+        assert res["results"]["optimal"][r]["discrepancy"] < res["results"]["random"][r]["discrepancy"]
+    w = heldout_windows(load_tokenizer(DEFAULT_MODEL), 2, 64 + 8 + 1)
+    with torch.no_grad():
+        logits = load_hf_model(DEFAULT_MODEL)(w[:, :72]).logits[:, 64:72]
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), w[:, 65:73].flatten())
+    assert res["full_cache"]["ppl"] == pytest.approx(math.exp(ce.item()), rel=1e-4)
