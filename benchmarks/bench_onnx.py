@@ -88,9 +88,77 @@ def worker(directory: str, context: int, steps: int, threads: int) -> None:
                       "cache_mb": res.cache_bytes / 2**20, "compactions": res.compactions}))
 
 
-def measure(d: Path, context: int, steps: int, threads: int, timeout: int) -> dict:
+def synthetic_worker(directory: str, context: int, steps: int, threads: int) -> None:
+    """Like :func:`worker`, but the cache is put in the state a ``context``-token prompt leaves (random
+    keys/values at positions < context) instead of running the prefill: decode cost only."""
+    import resource
+
+    import numpy as np
+
+    from kvexport.export.runtime import OrtGenerator
+
+    gen = OrtGenerator(directory, threads=threads)
+    rng = np.random.default_rng(0)
+    B, V = gen.batch, int(gen.settings["vocab_size"])
+    times = []
+    if gen.dynamic:
+        sess = gen.sessions["model"]
+        g = gen.settings["graphs"]["model"]
+        past = {}
+        for inp in sess.get_inputs():
+            if inp.name.startswith("past_") and inp.name != "past_positions":
+                shp = [B, inp.shape[1], context, inp.shape[3]]
+                past[inp.name] = gen._ov(rng.standard_normal(shp).astype(gen.dtype))
+        past_pos = np.broadcast_to(np.arange(context), (B, context)).copy()
+        for step in range(steps):
+            t0 = time.perf_counter()
+            io = sess.io_binding()
+            io.bind_cpu_input("input_ids", rng.integers(3, V, (B, 1)))
+            io.bind_cpu_input("positions", np.full((B, 1), context + step, np.int64))
+            io.bind_cpu_input("past_positions", past_pos)
+            for n, v in past.items():
+                io.bind_ortvalue_input(n, v)
+            for n in g["outputs"]:
+                io.bind_output(n, gen.device)
+            sess.run_with_iobinding(io)
+            outs = dict(zip(g["outputs"], io.get_outputs(), strict=False))
+            past = {n.replace("present_", "past_"): outs[n] for n in g["outputs"] if n.startswith("present_")
+                    and n != "present_positions"}
+            past_pos = outs["present_positions"].numpy()
+            times.append(time.perf_counter() - t0)
+        cache = sum(v.numpy().nbytes for v in past.values())
+        compactions = 0
+    else:
+        fill = list(gen.budgets)
+        for i, ly in enumerate(gen.layers):
+            b = ly["budget"]
+            pos = np.full((B, ly["heads"], ly["capacity"]), -1, np.int64)
+            pos[:, :, :b] = np.sort(rng.choice(context, size=b, replace=False))
+            k = np.zeros((B, ly["heads"], ly["capacity"], ly["key_dim"]), gen.dtype)
+            k[:, :, :b] = rng.standard_normal(k[:, :, :b].shape)
+            gen.buffers[f"pos_{i}"][gen.cur[f"pos_{i}"]].update_inplace(pos)
+            gen.buffers[f"k_{i}"][gen.cur[f"k_{i}"]].update_inplace(k)
+        compactions = 0
+        for step in range(steps):
+            t0 = time.perf_counter()
+            gen._run("decode", {"input_ids": rng.integers(3, V, (B, 1)),
+                                "positions": np.full((B, 1), context + step, np.int64), "slot": np.array(fill)})
+            fill = [f + 1 for f in fill]
+            if any(f >= c for f, c in zip(fill, gen.caps, strict=False)):
+                gen._run("compact", {"fill": np.array(fill)})
+                fill = [min(f, b) for f, b in zip(fill, gen.budgets, strict=False)]
+                compactions += 1
+            times.append(time.perf_counter() - t0)
+        cache = gen.cache_bytes
+    times.sort()
+    print(json.dumps({"decode_ms": 1000 * times[len(times) // 2], "prefill_s": float("nan"),
+                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "cache_mb": cache / 2**20, "compactions": compactions}))
+
+
+def measure(d: Path, context: int, steps: int, threads: int, timeout: int, synthetic: bool = False) -> dict:
     cmd = [sys.executable, __file__, "--worker", str(d), "--context", str(context), "--steps", str(steps),
-           "--threads", str(threads)]
+           "--threads", str(threads)] + (["--synthetic"] if synthetic else [])
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
     except subprocess.TimeoutExpired:
@@ -111,9 +179,12 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/kvx_bench_onnx")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--context", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--synthetic", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--synthetic-shapes", default="llama1b", help="shapes whose cache state is synthesised instead "
+                    "of prefilled (decode cost only; prefill of long prompts is slow on a shared CPU)")
     a = ap.parse_args()
     if a.worker:
-        worker(a.worker, a.context, a.steps, a.threads)
+        (synthetic_worker if a.synthetic else worker)(a.worker, a.context, a.steps, a.threads)
         return
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -124,7 +195,7 @@ def main() -> None:
         dirs = export_all(shape, a.layers, work)
         for v in VARIANTS:
             for ctx in contexts:
-                r = measure(dirs[v], ctx, a.steps, a.threads, a.timeout)
+                r = measure(dirs[v], ctx, a.steps, a.threads, a.timeout, shape in a.synthetic_shapes.split(","))
                 rows.append({"shape": shape, "variant": v, "context": ctx, **r})
                 print(f"  {shape:8} {v:9} {ctx:6} {r}", file=sys.stderr, flush=True)
     print("| shape | export | context | decode ms/token | prefill s | peak RSS MiB | KV cache MiB | compactions |")
@@ -133,7 +204,8 @@ def main() -> None:
         if "error" in r:
             print(f"| {r['shape']} | {r['variant']} | {r['context']} | {r['error']} | | | | |")
             continue
-        print(f"| {r['shape']} | {r['variant']} | {r['context']} | {r['decode_ms']:.2f} | {r['prefill_s']:.2f} | "
+        pre = "synthetic" if r["prefill_s"] != r["prefill_s"] else f"{r['prefill_s']:.2f}"
+        print(f"| {r['shape']} | {r['variant']} | {r['context']} | {r['decode_ms']:.2f} | {pre} | "
               f"{r['peak_rss_mb']:.0f} | {r['cache_mb']:.2f} | {r['compactions']} |")
 
 

@@ -27,7 +27,6 @@ import math
 import platform
 import shutil
 import sys
-import sysconfig
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,13 +34,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the split lives in the package so that evaluations score exactly the held-out files
+from kvexport.eval.data import HELDOUT_BYTE, corpus_files, read_text  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
 TOKENIZER_DIR = MODELS / "tokenizer"
 DOCS = ROOT / "docs"
 CACHE = Path("/tmp/kvx_train_cache")
-EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test", "pydoc_data", "__pycache__"}
-HELDOUT_BYTE = 13  # held out iff sha256(relpath)[0] < 13  (13/256 ≈ 5.1 %)
 VOCAB = 4096
 SPECIALS = ["<|bos|>", "<|eos|>", "<|pad|>"]
 SEQ = 256
@@ -88,31 +89,6 @@ SIZES = {
 
 
 # ----------------------------------------------------------------------------------------------- data
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def corpus_files() -> tuple[list[str], list[str]]:
-    """-> (train, held-out) lists of stdlib-relative POSIX paths, sorted."""
-    root = stdlib_root()
-    rels = sorted(
-        p.relative_to(root).as_posix()
-        for p in root.rglob("*.py")
-        if not EXCLUDED_DIRS.intersection(p.relative_to(root).parts)
-    )
-    train, held = [], []
-    for r in rels:
-        (held if hashlib.sha256(r.encode()).digest()[0] < HELDOUT_BYTE else train).append(r)
-    return train, held
-
-
-def read_text(rel: str) -> str | None:
-    try:
-        return (stdlib_root() / rel).read_text(encoding="utf-8")
-    except (UnicodeDecodeError, OSError):
-        return None
-
-
 def train_tokenizer(out: Path = TOKENIZER_DIR) -> None:
     """Byte-level BPE on the train split; writes tokenizer.json + tokenizer_config.json (+ special map)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers

@@ -79,7 +79,7 @@ def profile_cmd(
     backend: str = typer.Option("onnxruntime", "--backend", help="onnxruntime, tensorrt or pytorch."),
     contexts: Optional[str] = typer.Option(None, "--contexts", help="Context lengths, e.g. 512,2048,8192 "
                                            "(default: the conversion's)."),
-    decode_steps: int = typer.Option(16, "--decode-steps", help="Timed decode steps per context."),
+    decode_steps: int = typer.Option(32, "--decode-steps", help="Timed decode steps per context."),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="Profile the full-cache baseline too."),
     report: bool = typer.Option(True, "--report/--no-report", help="Regenerate the report afterwards."),
 ) -> None:

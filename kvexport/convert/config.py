@@ -34,7 +34,7 @@ DEFAULT_WINDOW = 32
 DEFAULT_CHUNK = 64
 #: default profile contexts; contexts past the model's position range are dropped at run time
 DEFAULT_CONTEXTS = (512, 2048, 8192)
-DEFAULT_DECODE_STEPS = 16
+DEFAULT_DECODE_STEPS = 32
 #: per-token cache compression the default MLA rank aims at
 DEFAULT_MLA_TARGET_RATIO = 5.0
 

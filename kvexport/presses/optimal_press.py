@@ -32,8 +32,9 @@ class OptimalPress(ScorerPress):
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         """-> (B, Hc, S): mean attention of the real future queries, mean over the GQA group."""
         if inputs.layer_idx not in self.future:
-            raise BadUsage(f"optimal press has no future queries for layer {inputs.layer_idx}; "
-                           "set press.future = OptimalPress.record_future(...) first")
+            raise BadUsage(f"the optimal press is an evaluation oracle and has no future queries for layer "
+                           f"{inputs.layer_idx}; set press.future = OptimalPress.record_future(...) first "
+                           "(generation without a known future accepts the other presses)")
         fq, fpos = self.future[inputs.layer_idx]
         fut = replace(inputs, queries=fq.to(inputs.keys.dtype), query_positions=fpos)
         probs = observation_probs(fut)  # (B, Hc, G, F, S)

@@ -44,11 +44,10 @@ def _axes(title: str, ylabel: str, logy: bool = False):
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel(ylabel)
     ax.set_xscale("log", base=2)
-    from matplotlib.ticker import FuncFormatter
-
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    ax.xaxis.set_major_formatter(_fmt_int())
     if logy:
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(_fmt_num())
     ax.grid(True, which="both", alpha=0.3)
     return fig, ax
 
@@ -72,26 +71,51 @@ def decode_latency_plot(profile: dict[str, Any]) -> bytes | None:
 
 
 def memory_plot(profile: dict[str, Any]) -> bytes | None:
-    """KV-cache bytes per sequence (analytic, solid) and measured peak RSS (dashed), per variant."""
+    """Two panels: KV-cache bytes per sequence (analytic) and the process's measured peak RSS, per variant."""
     vs = _variants(profile)
-    cache = profile.get("cache") or {}
-    if not vs and not cache.get("contexts"):
+    rows = (profile.get("cache") or {}).get("contexts") or []
+    if not vs and not rows:
         return None
-    fig, ax = _axes("Memory per sequence", "MiB (log)", logy=True)
+    plt = _plt()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9.0, 3.6))
     mib = 1024.0 * 1024.0
-    rows = cache.get("contexts") or []
+    for ax, title, ylabel in ((a1, "KV cache per sequence (analytic)", "MiB (log)"),
+                              (a2, "Process peak RSS (measured)", "MiB")):
+        ax.set_title(title, fontsize=11)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(_fmt_int())
+        ax.grid(True, which="both", alpha=0.3)
     if rows:
         x = [r["context"] for r in rows]
-        ax.plot(x, [r["kv_bytes"] / mib for r in rows], "o-", color=COLORS["converted"],
-                label="KV cache, converted")
-        ax.plot(x, [r["baseline_kv_bytes"] / mib for r in rows], "o-", color=COLORS["baseline"],
-                label="KV cache, baseline")
+        a1.plot(x, [r["kv_bytes"] / mib for r in rows], "o-", color=COLORS["converted"], label=LABELS["converted"])
+        a1.plot(x, [r["baseline_kv_bytes"] / mib for r in rows], "o-", color=COLORS["baseline"],
+                label=LABELS["baseline"])
+        a1.set_yscale("log")
+        a1.yaxis.set_major_formatter(_fmt_num())
+        a1.legend(fontsize=8)
     for name, vrows in vs.items():
         if all("peak_rss_bytes" in r for r in vrows):
-            ax.plot([r["context"] for r in vrows], [r["peak_rss_bytes"] / mib for r in vrows], "s--",
-                    color=COLORS.get(name), alpha=0.8, label=f"process peak RSS, {name}")
-    ax.legend(fontsize=8)
+            a2.plot([r["context"] for r in vrows], [r["peak_rss_bytes"] / mib for r in vrows], "s-",
+                    color=COLORS.get(name), label=LABELS.get(name, name))
+    if vs:
+        a2.set_ylim(bottom=0)
+        a2.legend(fontsize=8)
+    fig.tight_layout()
     return _png(fig)
+
+
+def _fmt_int():
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(lambda v, _: f"{v:,.0f}")
+
+
+def _fmt_num():
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(lambda v, _: f"{v:g}")
 
 
 def prefill_plot(profile: dict[str, Any]) -> bytes | None:
@@ -124,9 +148,10 @@ def throughput_plot(profile: dict[str, Any]) -> bytes | None:
 #: file stem -> (caption, function)
 PLOTS = {
     "decode_latency": ("Decode latency per token against context length, converted vs baseline", decode_latency_plot),
-    "memory": ("KV-cache bytes and measured process memory against context length", memory_plot),
-    "prefill": ("Time to first token against prompt length", prefill_plot),
     "throughput": ("Decode tokens per second against context length", throughput_plot),
+    "memory": ("KV-cache bytes per sequence (analytic) and measured process peak memory against context length",
+               memory_plot),
+    "prefill": ("Time to first token against prompt length", prefill_plot),
 }
 
 

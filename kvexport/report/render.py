@@ -248,6 +248,8 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}
 .none{background:#eef0f3;color:#555;border:1px solid #ccd}
 table.kv th{background:#f7f9fb;font-weight:600;width:1%;white-space:nowrap}
 .figs{display:grid;grid-template-columns:repeat(auto-fill,minmax(460px,1fr));gap:12px}
+figure.wide{grid-column:1/-1}
+figure.wide img{width:auto;max-width:100%}
 figure{margin:0}
 figure img{width:100%;border:1px solid #dde2e8}
 figcaption{font-size:12px;color:#555}
@@ -309,7 +311,8 @@ def render_html(rep: dict[str, Any], plots: dict[str, tuple[str, bytes]]) -> str
             elif b[0] == "img":
                 data = base64.b64encode(plots[b[1]][1]).decode("ascii")
                 cap = html.escape(b[2])
-                out.append(f'<figure><img class="plot" id="plot-{b[1]}" alt="{cap}" '
+                wide = ' class="wide"' if b[1] == "memory" else ""
+                out.append(f'<figure{wide}><img class="plot" id="plot-{b[1]}" alt="{cap}" '
                            f'src="data:image/png;base64,{data}"><figcaption>{cap}</figcaption></figure>')
         out.append("</section>")
         if s.anchor == "plots":

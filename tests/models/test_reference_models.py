@@ -4,17 +4,16 @@ matches HF's logits, and their held-out loss is what their model card says (with
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 
 import pytest
 import torch
 
+from kvexport.eval.data import corpus_files, read_text
 from kvexport.generation import generate
 from kvexport.models.loading import load_decoder, load_tokenizer
-from kvexport.paths import MODELS_DIR, REPO_ROOT
+from kvexport.paths import MODELS_DIR
 
 NAMES = ["kvx-student", "kvx-teacher-2x", "kvx-teacher-4x"]
 #: Allowed excess of the snippet loss over the card's held-out loss (nats/token). The card averages
@@ -25,23 +24,14 @@ MARGIN = 0.6
 MAX_BYTES = 15 * 1024 * 1024
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("train_reference", REPO_ROOT / "scripts" / "train_reference.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("train_reference", mod)  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def heldout_snippets():
     """(4, 257) token ids: <|bos|> + the first 256 tokens of the first 4 held-out stdlib files (>= 256 tokens)."""
-    mod = _script()
     tok = load_tokenizer(MODELS_DIR / "tokenizer")
-    _, held = mod.corpus_files()
+    _, held = corpus_files()
     rows = []
     for rel in held:
-        text = mod.read_text(rel)
+        text = read_text(rel)
         ids = tok(text, add_special_tokens=True)["input_ids"] if text else []
         if len(ids) >= 257:
             rows.append(ids[:257])

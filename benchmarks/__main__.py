@@ -1,0 +1,204 @@
+# SPDX-License-Identifier: Apache-2.0
+"""kvexport against what users would pick instead, side by side in one run.
+
+    python -m benchmarks                 # full table: 2 shapes × 7 rows × contexts 512..32k (< 20 min, exports cached)
+    python -m benchmarks --quick         # student only, contexts 512 and 2k, 32 steps (< 3 min with a warm cache)
+    python -m benchmarks --tiny          # CI smoke size: tiny random model, contexts 64 and 128
+    python -m benchmarks --rows hf,kvx-snapkv --shapes student --contexts 512,8192 --out /tmp/b
+
+Writes ``results.json``, ``results.md`` and ``decode_ms.png`` / ``peak_memory.png`` into ``--out``. Each cell
+(row × context) runs in its own process under a memory limit (``--mem-limit-gb``) and a time limit; running out
+of either is recorded as the cell's result, and the row's larger contexts are then marked as skipped.
+Exports (kvexport's and Optimum's) are built once and cached (``KVEXPORT_BENCH_CACHE``, default
+``~/.cache/kvexport/bench``); their build time is reported apart from the timed cells.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import bandwidth, prepare, quality, report, runner
+from benchmarks.optimum_env import ensure_venv, venv_python, versions
+from benchmarks.rows import CONTEXTS_FULL, CONTEXTS_QUICK, CONTEXTS_TINY, ROWS, SHAPES, prompt_tokens
+
+
+def machine_info() -> dict:
+    import psutil
+
+    model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import numpy
+    import onnxruntime
+    import torch
+    import transformers
+
+    return {"cpu": model, "logical_cores": os.cpu_count(), "affinity_cores": len(os.sched_getaffinity(0)),
+            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "python": platform.python_version(),
+            "platform": platform.platform(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "onnxruntime": onnxruntime.__version__, "numpy": numpy.__version__,
+            "loadavg_start": list(os.getloadavg())}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--quick", action="store_true", help="student only, contexts 512/2k, 32 steps; the Optimum row "
+                   "runs only if its venv is already built")
+    g.add_argument("--tiny", action="store_true", help="smoke size: tiny random model, contexts 64/128, 8 steps")
+    ap.add_argument("--shapes", help=f"comma list of {', '.join(SHAPES)}")
+    ap.add_argument("--rows", help=f"comma list of {', '.join(ROWS)}")
+    ap.add_argument("--contexts", help="comma list of context lengths (tokens)")
+    ap.add_argument("--steps", type=int, help="decode steps timed per cell (median over them); default 64")
+    ap.add_argument("--out", default="/tmp/kvexport-bench", help="output directory")
+    ap.add_argument("--mem-limit-gb", type=float, default=8.0, help="RSS limit of each cell's process")
+    ap.add_argument("--cell-timeout", type=float, help="seconds per cell (default 150; 60 with --quick/--tiny)")
+    ap.add_argument("--no-optimum", action="store_true", help="skip row 2 (Optimum's export)")
+    ap.add_argument("--rebuild", action="store_true", help="re-export even when a cached export exists")
+    ap.add_argument("--cache", help="cache directory for models and exports")
+    a = ap.parse_args(argv)
+    if a.tiny:
+        a.shapes, a.contexts, a.steps = a.shapes or "tiny", a.contexts or ",".join(map(str, CONTEXTS_TINY)), a.steps or 8
+        a.cell_timeout = a.cell_timeout or 60
+    elif a.quick:
+        a.shapes, a.contexts, a.steps = a.shapes or "student", a.contexts or ",".join(map(str, CONTEXTS_QUICK)), a.steps or 32
+        a.cell_timeout = a.cell_timeout or 60
+    a.shapes = [s.strip() for s in (a.shapes or "student,llama1b").split(",") if s.strip()]
+    a.rows = [r.strip() for r in (a.rows or ",".join(ROWS)).split(",") if r.strip()]
+    a.contexts = [int(c) for c in (a.contexts or ",".join(map(str, CONTEXTS_FULL))).split(",") if c.strip()]
+    a.steps = a.steps or 64
+    a.cell_timeout = a.cell_timeout or 150.0
+    for s in a.shapes:
+        if s not in SHAPES:
+            ap.error(f"unknown shape {s!r}; accepted: {', '.join(SHAPES)}")
+    for r in a.rows:
+        if r not in ROWS:
+            ap.error(f"unknown row {r!r}; accepted: {', '.join(ROWS)}")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cache = Path(a.cache) if a.cache else prepare.default_cache()
+    t_run = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - t_run:6.0f}s] {msg}", flush=True)
+
+    mode = "tiny" if a.tiny else "quick" if a.quick else "full"
+    res: dict = {"command": "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv),
+                 "mode": mode, "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                 "machine": machine_info(), "settings": {"steps": a.steps, "contexts": a.contexts,
+                 "mem_limit_gb": a.mem_limit_gb, "cell_timeout_s": a.cell_timeout, "batch": 1, "greedy": True},
+                 "notes": [], "shapes": {}, "rows": {r: ROWS[r].label for r in a.rows}, "builds": [], "cells": []}
+    res["bandwidth"] = bandwidth.copy_bandwidth()
+    log(f"memory bandwidth (numpy copy, read+write): {res['bandwidth']['copy_gbps']:.1f} GB/s")
+
+    vpy = None
+    if "optimum" in a.rows and not a.no_optimum:
+        vpy = venv_python()
+        if vpy is None and mode == "full":
+            try:
+                vpy = ensure_venv(log=log)
+            except Exception as e:  # record and go on without row 2
+                res["notes"].append(f"Optimum venv could not be built: {str(e).splitlines()[0]}")
+        elif vpy is None:
+            res["notes"].append("Optimum row skipped: its venv (~/.cache/kvexport/optimum-venv) is not built yet; "
+                                "a full run builds it (python -m benchmarks.optimum_env)")
+        if vpy is not None:
+            res["machine"]["optimum_venv"] = versions()
+    elif a.no_optimum and "optimum" in a.rows:
+        res["notes"].append("Optimum row skipped (--no-optimum)")
+    rows = [r for r in a.rows if r != "optimum" or vpy is not None]
+    studies = quality.load_studies()
+
+    for sname in a.shapes:
+        shape = SHAPES[sname]
+        mdir = prepare.model_dir(shape, cache)
+        wbytes = prepare.weight_bytes(mdir)
+        res["shapes"][sname] = {**shape.to_dict(), "model_dir": str(mdir), "weight_bytes": wbytes,
+                                "mla_ratio": shape.mla_ratio()}
+        log(f"shape {sname}: {mdir} ({wbytes / 2**20:.1f} MiB of weights)")
+        targets: dict[str, dict] = {}
+        for rname in rows:
+            row = ROWS[rname]
+            try:
+                if row.kind == "kvx":
+                    d, secs = prepare.kvx_export(row, shape, cache, log=log, rebuild=a.rebuild)
+                    targets[rname] = {"export_dir": str(d), "weight_bytes": prepare.weight_bytes(d)}
+                elif row.kind == "optimum":
+                    d, secs = prepare.optimum_export(shape, cache, vpy, log=log, rebuild=a.rebuild)
+                    targets[rname] = {"export_dir": str(d), "weight_bytes": wbytes}
+                else:
+                    secs = None
+                    targets[rname] = {"model_dir": str(mdir), "weight_bytes": wbytes}
+                res["builds"].append({"shape": sname, "row": rname, "seconds": secs, "cached": secs is None})
+            except Exception as e:
+                msg = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+                log(f"  build of {rname}/{sname} failed: {msg}")
+                res["builds"].append({"shape": sname, "row": rname, "error": msg})
+        failed: dict[str, str] = {}
+        for ctx in a.contexts:
+            n = prompt_tokens(shape, ctx, a.steps)
+            for rname in rows:
+                row = ROWS[rname]
+                cell = {"shape": sname, "row": rname, "context": ctx, "prompt_tokens": n,
+                        "kv_bytes": shape.kv_bytes(row, n + a.steps)}
+                if rname not in targets:
+                    cell["status"] = "build-failed"
+                elif rname in failed:
+                    cell["status"] = "skipped"
+                    cell["reason"] = failed[rname]
+                else:
+                    spec = {"kind": "hf" if row.kind == "hf" else "kvx", "vocab": shape.vocab, "prompt_tokens": n,
+                            "steps": a.steps, **targets[rname]}
+                    if row.kind == "optimum":
+                        cmd = runner.optimum_cmd(vpy, spec)
+                    else:
+                        cmd = runner.cell_cmd(spec)
+                    rec = runner.summarize(runner.run_child(cmd, int(a.mem_limit_gb * 2**30), a.cell_timeout))
+                    cell.update(rec)
+                    if cell["status"] != "ok":
+                        failed[rname] = f"{cell['status']} at {ctx}"
+                    else:
+                        r = cell["result"]
+                        if r.get("cache_bytes"):
+                            cell["kv_bytes_measured"] = r["cache_bytes"]
+                        cell["prefill_tok_s"] = n / cell["prefill_s"] if cell["prefill_s"] else None
+                        cell["bound"] = bandwidth.decode_bound(targets[rname]["weight_bytes"], cell["kv_bytes"],
+                                                               cell["decode_ms_median"], res["bandwidth"]["copy_gbps"])
+                q = quality.lookup(studies, row.press, shape.budget if row.press else None, n)
+                cell["quality"] = q
+                res["cells"].append(cell)
+                log(f"  {sname:8s} {ctx:>6} {rname:15s} {report.cell_brief(cell)}")
+                (out / "results.json").write_text(json.dumps(res, indent=1))
+    res["bandwidth_end"] = bandwidth.copy_bandwidth()
+    res["machine"]["loadavg_end"] = list(os.getloadavg())
+    res["wall_s"] = round(time.time() - t_run, 1)
+    res["goals"] = report.goals(res)
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    (out / "results.md").write_text(report.markdown(res))
+    try:
+        report.plots(res, out)
+    except Exception as e:  # plotting is a convenience; the JSON and markdown are the result
+        log(f"plots failed: {e}")
+    log(f"done in {res['wall_s']:.0f} s -> {out}/results.json, results.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

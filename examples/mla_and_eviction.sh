@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# MLA + eviction, the default of `kvexport convert`: latent rank 16 + RoPE 8 (5.3x per token) and SnapKV
+# with 256 + 32 slots. With a teacher in models/ (kvx-teacher-4x) it also distils the MLA student back
+# towards it (forward KL) before exporting; set DISTILL=0 to skip.
+set -euo pipefail
+OUT=${1:-/tmp/kvx-mla-eviction}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+TEACHER=$ROOT/models/kvx-teacher-4x
+ARGS=(--mla-rank 16 --rope-dim 8 --press snapkv --budget 256 --window 32)
+if [ "${DISTILL:-1}" = 1 ] && [ -d "$TEACHER" ]; then
+  # a little Python source as distillation text (the reference models were trained on the standard library)
+  DATA=$(mktemp --suffix=.txt)
+  cat "$(python -c 'import json, os; print(os.path.dirname(json.__file__))')"/*.py > "$DATA"
+  ARGS+=(--distill-teacher "$TEACHER" --distill-data "$DATA" --distill-tokens 32768)
+fi
+kvexport convert --out "$OUT" --force "${ARGS[@]}"
+echo "open $OUT/report.html"
