@@ -6,9 +6,10 @@
     python -m benchmarks --tiny          # CI smoke size: tiny random model, contexts 64 and 128
     python -m benchmarks --rows hf,kvx-snapkv --shapes student --contexts 512,8192 --out /tmp/b
 
-Writes ``results.json``, ``results.md`` and ``decode_ms.png`` / ``peak_memory.png`` into ``--out``. Each cell
-(row × context) runs in its own process under a memory limit (``--mem-limit-gb``) and a time limit; running out
-of either is recorded as the cell's result, and the row's larger contexts are then marked as skipped.
+Writes ``results.json``, ``results.md`` and ``decode_ms.png`` / ``peak_memory.png`` into ``--out``. Each row runs
+in its own process (model loaded once, contexts ascending, the RSS high-water mark reset before each cell) under a
+memory limit (``--mem-limit-gb``) and a per-cell time limit; running out of either is recorded as that cell's
+result, and the row's larger contexts are then marked as skipped.
 Exports (kvexport's and Optimum's) are built once and cached (``KVEXPORT_BENCH_CACHE``, default
 ``~/.cache/kvexport/bench``); their build time is reported apart from the timed cells.
 """
@@ -65,7 +66,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", default="/tmp/kvexport-bench", help="output directory")
     ap.add_argument("--mem-limit-gb", type=float, default=8.0, help="RSS limit of each cell's process")
     ap.add_argument("--cell-timeout", type=float, help="seconds per cell (default 150; 60 with --quick/--tiny)")
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads of every row (torch and onnxruntime); "
+                    "default 1: on a shared CPU, multi-threaded kernels stall whenever another job holds a core")
     ap.add_argument("--no-optimum", action="store_true", help="skip row 2 (Optimum's export)")
+    ap.add_argument("--build-only", action="store_true", help="build and cache the models and exports, time nothing")
     ap.add_argument("--rebuild", action="store_true", help="re-export even when a cached export exists")
     ap.add_argument("--cache", help="cache directory for models and exports")
     a = ap.parse_args(argv)
@@ -103,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = {"command": "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv),
                  "mode": mode, "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                  "machine": machine_info(), "settings": {"steps": a.steps, "contexts": a.contexts,
-                 "mem_limit_gb": a.mem_limit_gb, "cell_timeout_s": a.cell_timeout, "batch": 1, "greedy": True},
+                 "mem_limit_gb": a.mem_limit_gb, "threads": a.threads, "cell_timeout_s": a.cell_timeout, "batch": 1, "greedy": True},
                  "notes": [], "shapes": {}, "rows": {r: ROWS[r].label for r in a.rows}, "builds": [], "cells": []}
     res["bandwidth"] = bandwidth.copy_bandwidth()
     log(f"memory bandwidth (numpy copy, read+write): {res['bandwidth']['copy_gbps']:.1f} GB/s")
@@ -151,41 +155,32 @@ def main(argv: list[str] | None = None) -> int:
                 msg = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
                 log(f"  build of {rname}/{sname} failed: {msg}")
                 res["builds"].append({"shape": sname, "row": rname, "error": msg})
-        failed: dict[str, str] = {}
-        for ctx in a.contexts:
-            n = prompt_tokens(shape, ctx, a.steps)
-            for rname in rows:
-                row = ROWS[rname]
+        for rname in [] if a.build_only else rows:
+            row = ROWS[rname]
+            ns = [prompt_tokens(shape, ctx, a.steps) for ctx in a.contexts]
+            if rname not in targets:
+                recs = [{"status": "build-failed"} for _ in a.contexts]
+            else:
+                spec = {"kind": "hf" if row.kind == "hf" else "kvx", "vocab": shape.vocab, "steps": a.steps,
+                        "threads": a.threads, "cells": list(zip(a.contexts, ns)), **targets[rname]}
+                cmd = runner.optimum_cmd(vpy, spec) if row.kind == "optimum" else runner.cell_cmd(spec)
+                log(f"  {sname} {rname}: contexts {', '.join(map(str, a.contexts))}")
+                recs = runner.run_row(cmd, a.contexts, int(a.mem_limit_gb * 2**30), a.cell_timeout,
+                                      threads=a.threads)
+            for ctx, n, rec in zip(a.contexts, ns, recs):
                 cell = {"shape": sname, "row": rname, "context": ctx, "prompt_tokens": n,
-                        "kv_bytes": shape.kv_bytes(row, n + a.steps)}
-                if rname not in targets:
-                    cell["status"] = "build-failed"
-                elif rname in failed:
-                    cell["status"] = "skipped"
-                    cell["reason"] = failed[rname]
-                else:
-                    spec = {"kind": "hf" if row.kind == "hf" else "kvx", "vocab": shape.vocab, "prompt_tokens": n,
-                            "steps": a.steps, **targets[rname]}
-                    if row.kind == "optimum":
-                        cmd = runner.optimum_cmd(vpy, spec)
-                    else:
-                        cmd = runner.cell_cmd(spec)
-                    rec = runner.summarize(runner.run_child(cmd, int(a.mem_limit_gb * 2**30), a.cell_timeout))
-                    cell.update(rec)
-                    if cell["status"] != "ok":
-                        failed[rname] = f"{cell['status']} at {ctx}"
-                    else:
-                        r = cell["result"]
-                        if r.get("cache_bytes"):
-                            cell["kv_bytes_measured"] = r["cache_bytes"]
-                        cell["prefill_tok_s"] = n / cell["prefill_s"] if cell["prefill_s"] else None
-                        cell["bound"] = bandwidth.decode_bound(targets[rname]["weight_bytes"], cell["kv_bytes"],
-                                                               cell["decode_ms_median"], res["bandwidth"]["copy_gbps"])
-                q = quality.lookup(studies, row.press, shape.budget if row.press else None, n)
-                cell["quality"] = q
+                        "kv_bytes": shape.kv_bytes(row, n + a.steps), **runner.summarize(rec)}
+                if cell["status"] == "ok":
+                    r = cell["result"]
+                    if r.get("cache_bytes"):
+                        cell["kv_bytes_measured"] = r["cache_bytes"]
+                    cell["prefill_tok_s"] = n / cell["prefill_s"] if cell["prefill_s"] else None
+                    cell["bound"] = bandwidth.decode_bound(targets[rname]["weight_bytes"], cell["kv_bytes"],
+                                                           cell["decode_ms_median"], res["bandwidth"]["copy_gbps"])
+                cell["quality"] = quality.lookup(studies, row.press, shape.budget if row.press else None, n)
                 res["cells"].append(cell)
                 log(f"  {sname:8s} {ctx:>6} {rname:15s} {report.cell_brief(cell)}")
-                (out / "results.json").write_text(json.dumps(res, indent=1))
+            (out / "results.json").write_text(json.dumps(res, indent=1))
     res["bandwidth_end"] = bandwidth.copy_bandwidth()
     res["machine"]["loadavg_end"] = list(os.getloadavg())
     res["wall_s"] = round(time.time() - t_run, 1)

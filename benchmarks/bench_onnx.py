@@ -70,10 +70,20 @@ def export_all(shape: str, layers: int, work: Path) -> dict[str, Path]:
     return out
 
 
-def worker(directory: str, context: int, steps: int, threads: int) -> None:
-    """One measurement in this process: prefill ``context`` random tokens, ``steps`` decode steps."""
+def peak_rss_mb() -> float:
+    """This process's peak resident set (VmHWM; unlike ru_maxrss it does not inherit the parent's peak
+    across fork + exec)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
     import resource
 
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def worker(directory: str, context: int, steps: int, threads: int) -> None:
+    """One measurement in this process: prefill ``context`` random tokens, ``steps`` decode steps."""
     import numpy as np
 
     from kvexport.export.runtime import OrtGenerator
@@ -84,15 +94,13 @@ def worker(directory: str, context: int, steps: int, threads: int) -> None:
     res = gen.generate(ids, None, steps + 1, track_kept=False)
     dec = sorted(res.decode_seconds)
     print(json.dumps({"decode_ms": 1000 * dec[len(dec) // 2], "prefill_s": res.prefill_seconds,
-                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "peak_rss_mb": peak_rss_mb(),
                       "cache_mb": res.cache_bytes / 2**20, "compactions": res.compactions}))
 
 
 def synthetic_worker(directory: str, context: int, steps: int, threads: int) -> None:
     """Like :func:`worker`, but the cache is put in the state a ``context``-token prompt leaves (random
     keys/values at positions < context) instead of running the prefill: decode cost only."""
-    import resource
-
     import numpy as np
 
     from kvexport.export.runtime import OrtGenerator
@@ -152,7 +160,7 @@ def synthetic_worker(directory: str, context: int, steps: int, threads: int) -> 
         cache = gen.cache_bytes
     times.sort()
     print(json.dumps({"decode_ms": 1000 * times[len(times) // 2], "prefill_s": float("nan"),
-                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "peak_rss_mb": peak_rss_mb(),
                       "cache_mb": cache / 2**20, "compactions": compactions}))
 
 

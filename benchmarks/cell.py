@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""One timed cell (row × context) in a fresh process: ``python -m benchmarks.cell '<json spec>'``.
+"""One row's timed cells in a fresh process: ``python -m benchmarks.cell '<json spec>'``.
 
-Prints one JSON line ``{"result": {...}}``: prefill seconds, per-step decode milliseconds, peak RSS
-(``getrusage`` high-water mark of this process), RSS after loading, the first generated tokens, cache bytes.
-The parent (:mod:`benchmarks.runner`) enforces the memory and time limits.
+The row's model (or export) is loaded once and warmed up, then the contexts run in ascending order. Before each
+cell the kernel's RSS high-water mark is reset (``/proc/self/clear_refs``), so a cell's peak is VmHWM at its end:
+the loaded model plus what that cell allocated. One JSON line per cell, ``{"context": c, "result": {...}}``:
+prefill seconds, per-step decode milliseconds, peak RSS, RSS after loading, the first generated tokens, cache
+bytes. The parent (:mod:`benchmarks.runner`) enforces the memory and per-cell time limits.
 
 Timing. HF ``generate``: a streamer stamps each token as it is emitted (the first stamp is the prompt, the
 second the first new token, so prefill = stamp 1 − stamp 0 and step i = stamp i+1 − stamp i). onnxruntime:
@@ -23,6 +25,14 @@ import numpy as np
 
 
 def peak_rss() -> int:
+    """This process's RSS high-water mark: VmHWM of /proc/self/status (reset at exec, unlike ``ru_maxrss``,
+    which Linux carries over from the parent that forked us)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
@@ -38,12 +48,22 @@ def prompt_ids(n: int, vocab: int, seed: int = 1234) -> np.ndarray:
     return rng.integers(3, vocab, size=(1, n), dtype=np.int64)
 
 
-def run_hf(spec: dict) -> dict:
+def reset_peak() -> None:
+    """Reset VmHWM to the current RSS (Linux ``/proc/self/clear_refs``), so each cell has its own peak."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def run_hf(spec: dict):
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
 
     torch.set_grad_enabled(False)
+    torch.set_num_threads(int(spec.get("threads") or 1))
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32,
                                                  attn_implementation="sdpa").eval()
 
@@ -63,16 +83,19 @@ def run_hf(spec: dict) -> dict:
     n_new = spec["steps"] + 1
     warm = torch.from_numpy(prompt_ids(16, spec["vocab"]))
     model.generate(warm, max_new_tokens=3, min_new_tokens=3, do_sample=False)
-    rss_loaded = rss_now()
-    ids = torch.from_numpy(prompt_ids(spec["prompt_tokens"], spec["vocab"]))
-    st = Stamps()
-    t0 = time.perf_counter()
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, min_new_tokens=n_new,
-                   do_sample=False, streamer=st)
-    t = np.array(st.t)
-    t[0] = t0
-    return {"prefill_s": float(t[1] - t[0]), "decode_ms": (np.diff(t[1:]) * 1e3).tolist(),
-            "rss_loaded": rss_loaded, "tokens": st.toks[:16], "cache_bytes": None}
+
+    def cell(n: int) -> dict:
+        ids = torch.from_numpy(prompt_ids(n, spec["vocab"]))
+        st = Stamps()
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, min_new_tokens=n_new,
+                       do_sample=False, streamer=st)
+        t = np.array(st.t)
+        t[0] = t0
+        return {"prefill_s": float(t[1] - t[0]), "decode_ms": (np.diff(t[1:]) * 1e3).tolist(),
+                "tokens": st.toks[:16], "cache_bytes": None}
+
+    return cell
 
 
 class _TimedSession:
@@ -91,44 +114,45 @@ class _TimedSession:
         return getattr(self._sess, item)
 
 
-def run_kvx(spec: dict) -> dict:
+def run_kvx(spec: dict):
     from kvexport.export import OrtGenerator
 
-    gen = OrtGenerator(spec["export_dir"], providers=["CPUExecutionProvider"])
+    gen = OrtGenerator(spec["export_dir"], providers=["CPUExecutionProvider"], threads=int(spec.get("threads") or 1))
     log: list = []
     gen.sessions = {n: _TimedSession(s, n, log) for n, s in gen.sessions.items()}
     gen.generate(prompt_ids(16, spec["vocab"]), max_new_tokens=3, track_kept=False)  # warm-up
-    rss_loaded = rss_now()
-    log.clear()
     n_new = spec["steps"] + 1
-    ids = prompt_ids(spec["prompt_tokens"], spec["vocab"])
-    res = gen.generate(ids, max_new_tokens=n_new, track_kept=False)
-    if gen.dynamic:  # one call per token, the first holds the whole prompt
-        prefill_end, t_start = log[0][2], log[0][1]
-        ends = [e for _, _, e in log[1:]]
-    else:
-        pre = [i for i, (n, _, _) in enumerate(log) if n == "prefill"]
-        t_start, prefill_end = log[0][1], log[pre[-1]][2]
-        ends = [e for n, _, e in log[pre[-1] + 1:] if n == "decode"]
-    ends = np.array([prefill_end, *ends])
-    out = {"prefill_s": float(prefill_end - t_start), "decode_ms": (np.diff(ends) * 1e3).tolist(),
-           "rss_loaded": rss_loaded, "tokens": [int(x) for x in res.tokens[0, :16]],
-           "cache_bytes": int(res.cache_bytes), "compactions": int(res.compactions),
-           "prefill_calls": sum(1 for n, _, _ in log if n == "prefill") or 1}
-    return out
+
+    def cell(n: int) -> dict:
+        log.clear()
+        res = gen.generate(prompt_ids(n, spec["vocab"]), max_new_tokens=n_new, track_kept=False)
+        if gen.dynamic:  # one call per token, the first holds the whole prompt
+            prefill_end, t_start = log[0][2], log[0][1]
+            ends = [e for _, _, e in log[1:]]
+        else:
+            pre = [i for i, (g, _, _) in enumerate(log) if g == "prefill"]
+            t_start, prefill_end = log[0][1], log[pre[-1]][2]
+            ends = [e for g, _, e in log[pre[-1] + 1:] if g == "decode"]
+        ends = np.array([prefill_end, *ends])
+        return {"prefill_s": float(prefill_end - t_start), "decode_ms": (np.diff(ends) * 1e3).tolist(),
+                "tokens": [int(x) for x in res.tokens[0, :16]], "cache_bytes": int(res.cache_bytes),
+                "compactions": int(res.compactions),
+                "prefill_calls": sum(1 for g, _, _ in log if g == "prefill") or 1}
+
+    return cell
 
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
-    threads = spec.get("threads")
-    if threads:
-        import os
-
-        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    fn = {"hf": run_hf, "kvx": run_kvx}[spec["kind"]]
-    out = fn(spec)
-    out["peak_rss"] = peak_rss()
-    print(json.dumps({"result": out}), flush=True)
+    cell = {"hf": run_hf, "kvx": run_kvx}[spec["kind"]](spec)
+    rss_loaded = rss_now()
+    print(json.dumps({"ready": True, "rss_loaded": rss_loaded}), flush=True)
+    for ctx, n in spec["cells"]:
+        reset_peak()
+        start = rss_now()
+        out = cell(int(n))
+        out.update(peak_rss=peak_rss(), rss_start=start, rss_loaded=rss_loaded)
+        print(json.dumps({"context": ctx, "result": out}), flush=True)
     return 0
 
 

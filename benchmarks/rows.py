@@ -115,12 +115,12 @@ SHAPES: dict[str, Shape] = {
                      vocab=32000, max_positions=32768, mla_rank=128, rope_dim=32),
     # CI smoke test: tiny, fast to export. 2·2·16 = 64 elements per token and layer; 8 + 2 = 10 -> 6.4×.
     "tiny": Shape("tiny", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256,
-                  max_positions=1024, budget=32, window=8, chunk=32, mla_rank=8, rope_dim=2),
+                  max_positions=1024, budget=96, window=8, chunk=32, mla_rank=8, rope_dim=2),
 }
 
 CONTEXTS_FULL = [512, 2048, 8192, 16384, 32768]
 CONTEXTS_QUICK = [512, 2048]
-CONTEXTS_TINY = [64, 128]
+CONTEXTS_TINY = [128, 256]
 
 
 def prompt_tokens(shape: Shape, context: int, steps: int) -> int:

@@ -1,77 +1,115 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Run one cell in a child process under a memory and a time limit; OOM and timeout are results.
+"""Run a row's cells in a child process under a memory and a per-cell time limit; OOM and timeout are results.
 
 The watchdog samples the child's RSS (psutil, every 20 ms) and kills it when RSS passes ``mem_limit`` bytes
-(status ``"oom"``) or when it runs longer than ``time_limit`` seconds (``"timeout"``). An address-space
-rlimit is not used: torch and onnxruntime reserve far more virtual memory than they touch. The child's own
-``getrusage`` high-water mark is the peak reported when it finishes; the watchdog's largest sample when it
-is killed.
+(status ``"oom"``) or when a cell runs longer than ``time_limit`` seconds (``"timeout"``). An address-space
+rlimit is not used: torch and onnxruntime reserve far more virtual memory than they touch. A finished cell's
+peak is the child's own VmHWM (reset before each cell); a killed cell's is the watchdog's largest sample.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_child(cmd: list[str], mem_limit: int, time_limit: float, env: dict | None = None) -> dict:
-    """Run ``cmd``; returns {"status": "ok"|"oom"|"timeout"|"error", "wall_s", "watch_peak_rss", "result"?,
-    "error"?}. The child prints ``{"result": ...}`` as its last JSON line on stdout."""
+def run_row(cmd: list[str], contexts: list[int], mem_limit: int, time_limit: float, load_limit: float = 300.0,
+            threads: int = 1, env: dict | None = None) -> list[dict]:
+    """Run one row's child (it loads once, then prints a ``{"context", "result"}`` line per cell in order).
+
+    Returns one record per context: {"status": "ok"|"oom"|"timeout"|"error"|"skipped", "wall_s",
+    "watch_peak_rss", "result"?, "error"?, "reason"?}. A cell over ``mem_limit`` RSS or ``time_limit`` seconds
+    kills the child; that cell gets "oom"/"timeout" and the larger contexts "skipped".
+    """
     import psutil
 
     e = dict(os.environ)
-    e.setdefault("PYTHONPATH", str(REPO))
     e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
-    e.update({"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"})
+    e.update({"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(threads),
+              "MKL_NUM_THREADS": str(threads)})
     if env:
         e.update(env)
-    t0 = time.time()
+    lines: queue.Queue = queue.Queue()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e, cwd=str(REPO))
+    err_tail: list[str] = []
+
+    def pump(stream, sink):
+        for line in stream:
+            sink(line)
+
+    threading.Thread(target=pump, args=(p.stdout, lines.put), daemon=True).start()
+    threading.Thread(target=pump, args=(p.stderr, lambda ln: (err_tail.append(ln), err_tail.__delitem__(
+        slice(0, -40)) if len(err_tail) > 80 else None)), daemon=True).start()
     ps = psutil.Process(p.pid)
-    peak, status = 0, None
+    out: list[dict] = []
+    ready = False
+    t_mark = time.time()
+    peak = 0
+    failure: str | None = None
+
+    def take_lines() -> None:
+        nonlocal ready, t_mark, peak
+        while True:
+            try:
+                line = lines.get_nowait()
+            except queue.Empty:
+                return
+            if not line.startswith("{"):
+                continue
+            msg = json.loads(line)
+            now = time.time()
+            if msg.get("ready"):
+                ready = True
+            elif "result" in msg:
+                out.append({"status": "ok", "wall_s": round(now - t_mark, 2), "watch_peak_rss": peak,
+                            "result": msg["result"]})
+            t_mark, peak = now, 0
+
     while p.poll() is None:
+        take_lines()
         try:
             rss = ps.memory_info().rss + sum(c.memory_info().rss for c in ps.children(recursive=True))
         except psutil.Error:
             rss = 0
         peak = max(peak, rss)
+        limit = time_limit if ready else load_limit
         if rss > mem_limit:
-            status = "oom"
-        elif time.time() - t0 > time_limit:
-            status = "timeout"
-        if status:
+            failure = "oom"
+        elif time.time() - t_mark > limit:
+            failure = "timeout"
+        if failure:
             for c in ps.children(recursive=True):
                 c.kill()
             p.kill()
             break
         time.sleep(0.02)
-    out, err = p.communicate()
-    wall = time.time() - t0
-    rec: dict = {"wall_s": round(wall, 2), "watch_peak_rss": peak}
-    if status:
-        rec["status"] = status
-        return rec
-    result = None
-    for line in reversed(out.splitlines()):
-        if line.startswith('{"result"'):
-            result = json.loads(line)["result"]
-            break
-    if p.returncode != 0 or result is None:
-        tail = (err or out).strip().splitlines()[-3:]
-        # a child killed by the kernel's OOM killer (SIGKILL) is an OOM too
-        rec["status"] = "oom" if p.returncode in (-9, 137) or "MemoryError" in err else "error"
-        rec["error"] = " | ".join(tail)[-400:]
-        return rec
-    rec["status"] = "ok"
-    rec["result"] = result
-    return rec
+    p.wait()
+    time.sleep(0.05)
+    take_lines()
+    if failure is None and len(out) < len(contexts):
+        tail = " | ".join(x.strip() for x in err_tail[-3:])[-400:]
+        killed = p.returncode in (-9, 137) or "MemoryError" in tail or "bad_alloc" in tail
+        failure = "oom" if killed else "error"
+    if failure is not None and len(out) < len(contexts):
+        rec = {"status": failure, "wall_s": round(time.time() - t_mark, 2), "watch_peak_rss": peak}
+        if failure == "error" or not ready:
+            rec["error"] = " | ".join(x.strip() for x in err_tail[-3:])[-400:] or f"exit code {p.returncode}"
+            if not ready:
+                rec["error"] = "while loading: " + rec["error"]
+        out.append(rec)
+        where = contexts[len(out) - 1]
+        while len(out) < len(contexts):
+            out.append({"status": "skipped", "reason": f"{failure} at {where}"})
+    return out
 
 
 def summarize(rec: dict) -> dict:
@@ -85,7 +123,7 @@ def summarize(rec: dict) -> dict:
     rec["decode_ms_mean"] = statistics.fmean(d) if d else None
     rec["decode_ms_p90"] = sorted(d)[int(0.9 * (len(d) - 1))] if d else None
     rec["decode_steps"] = len(d)
-    rec["peak_rss"] = max(int(r.get("peak_rss") or 0), 0) or rec["watch_peak_rss"]
+    rec["peak_rss"] = int(r.get("peak_rss") or 0) or rec["watch_peak_rss"]
     rec["rss_loaded"] = r.get("rss_loaded")
     return rec
 

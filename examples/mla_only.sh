@@ -2,9 +2,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # MLA only: each layer's K/V cache becomes a 24-wide latent plus an 8-wide shared RoPE key
 # (X-EcoMLA's SVD initialisation, no distillation). 2 KV heads x 2 x 32 = 128 elements per token and
-# layer become 24 + 8 = 32: 4x smaller per token; without a press the cache still grows with the context.
+# layer become 24 + 8 = 32: 4x smaller per token. Without a press the static export allocates a full
+# cache of --max-positions slots up front (default: the model's whole range, 32768 for the student), so
+# cap it at the longest context you will serve.
 set -euo pipefail
 OUT=${1:-/tmp/kvx-mla-only}
-kvexport convert --out "$OUT" --force --mla-rank 24 --rope-dim 8
+kvexport convert --out "$OUT" --force --mla-rank 24 --rope-dim 8 --max-positions 16384
 kvexport inspect "$OUT/mla" --context 8192
 echo "open $OUT/report.html"

@@ -31,21 +31,33 @@ from kvexport.cli import convert_cmds  # noqa: E402,F401
 from kvexport.cli import mla_cmds  # noqa: E402,F401
 from kvexport.cli import export_cmds  # noqa: E402,F401
 from kvexport.cli import eval_cmds  # noqa: E402,F401
+from kvexport.cli import bench_cmd  # noqa: E402,F401
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: runs the app and turns kvexport errors into one line and an exit code."""
     import click
 
+    from kvexport.atomic import Interrupted, interrupts_raise
     from kvexport.errors import InternalError, KVExportError
 
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     try:
-        app(args=args, prog_name="kvexport", standalone_mode=False)
+        with interrupts_raise() as sig:  # SIGINT/SIGTERM/SIGHUP -> Interrupted: temporary outputs are cleaned up
+            rv = app(args=args, prog_name="kvexport", standalone_mode=False)
+        if sig.signum is not None:  # typer turns KeyboardInterrupt into a returned 130
+            print(f"error: interrupted ({Interrupted(sig.signum)})", file=sys.stderr)
+            return 128 + sig.signum
+        if isinstance(rv, int) and not isinstance(rv, bool) and rv != 0:
+            return rv
     except click.exceptions.Exit as e:
         return int(e.exit_code or 0)
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as e:
+        cause = e.__cause__ or e.__context__
+        if isinstance(cause, Interrupted):
+            print(f"error: interrupted ({cause})", file=sys.stderr)
+            return cause.exit_code
         print("error: interrupted", file=sys.stderr)
         return 130
     except click.ClickException as e:
@@ -58,12 +70,17 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except Interrupted as e:
+        print(f"error: interrupted ({e})", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - last resort: one line, traceback with --debug
         if debug:
-            raise
+            import traceback
+
+            traceback.print_exc()
         print(f"error: internal error: {e.__class__.__name__}: {e} (rerun with --debug for the traceback)",
               file=sys.stderr)
         return InternalError.exit_code

@@ -25,6 +25,8 @@ def convert_cmd(
     budget: Optional[int] = typer.Option(None, "--budget", help="Tokens kept per layer after each compaction."),
     window: Optional[int] = typer.Option(None, "--window", help="Decode slots between compactions."),
     chunk: Optional[int] = typer.Option(None, "--chunk", help="Prefill chunk length of the exported graph."),
+    max_positions: Optional[int] = typer.Option(None, "--max-positions", help="Without a press: the static "
+                                                "cache's capacity, the longest context (default: the model's)."),
     distill_teacher: Optional[str] = typer.Option(None, "--distill-teacher", help="Teacher model for distillation."),
     distill_data: Optional[Path] = typer.Option(None, "--distill-data", help="UTF-8 text to distill on."),
     distill_tokens: Optional[int] = typer.Option(None, "--distill-tokens", help="Tokens to distill on."),
@@ -59,7 +61,8 @@ def convert_cmd(
         raise BadUsage("--out DIR is required (where the conversion is written)")
     base = ConvertConfig.from_file(config) if config is not None else ConvertConfig()
     flags = dict(model=model, mla_rank=mla_rank, mla_energy=mla_energy, rope_dim=rope_dim, press=press,
-                 budget=budget, window=window, chunk=chunk, distill_teacher=distill_teacher,
+                 budget=budget, window=window, chunk=chunk, max_positions=max_positions,
+                 distill_teacher=distill_teacher,
                  distill_data=str(distill_data) if distill_data is not None else None,
                  distill_tokens=distill_tokens, target=target, fp16=fp16, validate=validate, profile=profile,
                  baseline=baseline, contexts=contexts, decode_steps=decode_steps, validate_steps=validate_steps,

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``kvexport eval presses``: layer-output discrepancy, perplexity and agreement vs compression ratio."""
+"""``kvexport eval presses|mla|combo``: the quality studies (definitions in docs/studies.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,12 @@ from kvexport.eval.press_study import STUDY_PRESSES
 eval_app = typer.Typer(help="Quality studies on a trained model (held-out Python stdlib text).", no_args_is_help=True)
 app.add_typer(eval_app, name="eval")
 
-QUICK = {"ratios": "0.25,0.5,0.75", "windows": 4, "prompt_len": 128, "future_len": 16}
+#: --quick settings of each study (sized for < 15 min on 2 shared CPU cores with the bundled student)
+QUICK_PRESSES = {"windows": 8, "prompt_len": 128, "future_len": 16}
+QUICK_TASKS = {"context_len": 160, "future_len": 16, "n_next": 8, "n_recall": 16}
+QUICK_DISTILL = {"budgets": "8192,32768", "batch_size": 4}
+FULL_DISTILL = {"budgets": "65536,262144", "batch_size": 8}
+OUT_HELP = "Output directory: writes <study>_<model>[_quick].json and .png (combo: .md) there."
 
 
 def _floats(text: str, what: str) -> tuple[float, ...]:
@@ -31,6 +36,51 @@ def _floats(text: str, what: str) -> tuple[float, ...]:
     return vals
 
 
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    from kvexport.errors import BadUsage
+
+    vals = _floats(text, what)
+    if any(v != int(v) or v < 1 for v in vals):
+        raise BadUsage(f"{what} {text!r} must be positive whole numbers, e.g. 65536,262144")
+    return tuple(int(v) for v in vals)
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _setup(threads: Optional[int]) -> None:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(0)
+
+
+def _paths(out: Path, study: str, model_path: str, quick: bool) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{study}_{Path(model_path).name}{'_quick' if quick else ''}"
+    return out / f"{stem}.json", out / f"{stem}.png"
+
+
+def _taskset(model_path: str, quick: bool, context_len: Optional[int], n_recall: Optional[int]):
+    from kvexport.errors import BadUsage
+    from kvexport.eval.tasks import TaskSet, TaskSettings
+    from kvexport.models.loading import load_tokenizer
+
+    tok = load_tokenizer(model_path)
+    if tok is None:
+        raise BadUsage(f"{model_path} has no tokenizer; the tasks are built from text with the model's own")
+    kw = dict(QUICK_TASKS) if quick else {}
+    if context_len is not None:
+        kw["context_len"] = context_len
+    if n_recall is not None:
+        kw["n_recall"] = n_recall
+    return TaskSet(tok, TaskSettings(**kw))
+
+
 @eval_app.command("presses")
 def presses_cmd(
     model: Optional[str] = typer.Argument(None, help="HF model directory. Default: the bundled reference student."),
@@ -38,35 +88,33 @@ def presses_cmd(
     presses: str = typer.Option(
         ",".join(STUDY_PRESSES), help="Comma-separated press names (optimal = oracle with the true future queries)."
     ),
-    windows: int = typer.Option(16, help="Held-out windows (prompts) to average over."),
+    windows: int = typer.Option(64, help="Held-out windows (prompts) to average over."),
     prompt_len: int = typer.Option(192, help="Prompt tokens P, compressed once after prefill."),
     future_len: int = typer.Option(32, help="Future tokens F, teacher-forced with the compressed cache and scored."),
     batch: int = typer.Option(8, help="Windows per forward pass."),
-    quick: bool = typer.Option(False, "--quick", help="3 ratios, 4 windows, P=128, F=16 (a few minutes on a CPU)."),
-    out: Path = typer.Option(Path("press_study"), help="Output prefix: writes OUT.json and OUT.png."),
+    quick: bool = typer.Option(False, "--quick", help="8 windows, P=128, F=16 (minutes on a CPU)."),
+    out: Path = typer.Option(Path("."), help=OUT_HELP),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
 ) -> None:
     """The Expected-Attention study: for each press and ratio, ‖h − h_compr‖ of every layer's output over the
     next F tokens, held-out perplexity and next-token agreement with the full cache. Metric definitions are
-    in the JSON ("metrics") and docs/eval.md."""
-    import torch
+    in the JSON ("metrics") and docs/studies.md."""
     from rich.console import Console
 
     from kvexport.cli.common import resolve_model
     from kvexport.errors import BadUsage
     from kvexport.eval.data import heldout_windows
-    from kvexport.eval.press_study import PressStudy, plot_press_study, press_study
+    from kvexport.eval.plots import plot_press_study
+    from kvexport.eval.press_study import PressStudy, press_study
     from kvexport.models.loading import load_decoder, load_tokenizer
 
-    console = Console(stderr=True)
-    if threads:
-        torch.set_num_threads(threads)
+    console = _console()
+    _setup(threads)
     if quick:
-        ratios, windows = QUICK["ratios"], QUICK["windows"]
-        prompt_len, future_len = QUICK["prompt_len"], QUICK["future_len"]
+        windows, prompt_len, future_len = (QUICK_PRESSES[k] for k in ("windows", "prompt_len", "future_len"))
     study = PressStudy(
         ratios=_floats(ratios, "--ratios"),
-        presses=tuple(p.strip() for p in presses.split(",") if p),
+        presses=tuple(p.strip() for p in presses.split(",") if p.strip()),
         prompt_len=prompt_len,
         future_len=future_len,
         batch=batch,
@@ -89,19 +137,11 @@ def presses_cmd(
 
     result = press_study(decoder, wins, study, progress=progress)
     result["model"] = Path(model_path).name
-    result["command"] = "kvexport eval presses " + " ".join(
-        [
-            str(model_path),
-            f"--ratios {ratios}",
-            f"--windows {windows}",
-            f"--prompt-len {prompt_len}",
-            f"--future-len {future_len}",
-        ]
-        + (["--quick"] if quick else [])
-    )
+    result["command"] = f"kvexport eval presses {model_path} --ratios {ratios} --presses {','.join(study.presses)} " + (
+        "--quick" if quick else f"--windows {windows} --prompt-len {prompt_len} --future-len {future_len}")
+    result["quick"] = quick
     result["wall_s"] = time.perf_counter() - t0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = out.with_suffix(".json"), out.with_suffix(".png")
+    json_path, png_path = _paths(out, "presses", model_path, quick)
     json_path.write_text(json.dumps(result, indent=1))
     plot_press_study(result, png_path)
     Console().print(
@@ -109,3 +149,116 @@ def presses_cmd(
         f"in {result['wall_s']:.0f}s",
         highlight=False,
     )
+
+
+@eval_app.command("mla")
+def mla_cmd(
+    student: Optional[str] = typer.Argument(None, help="HF model directory. Default: the bundled reference student."),
+    teachers: str = typer.Option(
+        "", help="Comma-separated teacher model directories (same tokenizer). The student itself is always the first "
+        "teacher. Default: the bundled kvx-teacher-2x and kvx-teacher-4x."
+    ),
+    ratios: str = typer.Option("1.9,3.6,6.4,10.6,12.8", help="Target per-token KV-cache compression ratios (> 1)."),
+    rope_dim: Optional[int] = typer.Option(None, help="d_rope of the shared RoPE key. Default: original cache / 32."),
+    budgets: Optional[str] = typer.Option(None, help="Two (or more) distillation token budgets, comma-separated. "
+                                          f"Default {FULL_DISTILL['budgets']} (--quick: {QUICK_DISTILL['budgets']})."),
+    seq_len: int = typer.Option(256, help="Distillation sequence length."),
+    batch_size: Optional[int] = typer.Option(None, help="Distillation batch (sequences). Default 8 (--quick: 4)."),
+    lr: float = typer.Option(1e-3, help="Distillation learning rate (constant)."),
+    context_len: Optional[int] = typer.Option(None, help="Task context length. Default 192 (--quick: 160)."),
+    n_recall: Optional[int] = typer.Option(None, help="Examples per recall task. Default 32 (--quick: 16)."),
+    quick: bool = typer.Option(False, "--quick", help="Small budgets and task set (< 15 min on a CPU)."),
+    out: Path = typer.Option(Path("."), help=OUT_HELP),
+    cache_dir: Optional[Path] = typer.Option(None, help="Where distilled students are cached (default: a temp dir)."),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
+) -> None:
+    """The X-EcoMLA study: the student rewritten to MLA at each compression ratio, distilled from each teacher
+    at two token budgets, scored on the task set (held-out next-token accuracy, code recall, passkey);
+    the original student is the dashed baseline."""
+    from rich.console import Console
+
+    from kvexport.cli.common import resolve_model
+    from kvexport.eval.mla_study import DEFAULT_CACHE, DistillSettings, MLAStudy, mla_study
+    from kvexport.eval.plots import plot_mla_study
+    from kvexport.paths import MODELS_DIR
+
+    console = _console()
+    _setup(threads)
+    student_path = resolve_model(student)
+    given = [t.strip() for t in teachers.split(",") if t.strip()]
+    if not given:
+        given = [str(MODELS_DIR / n) for n in ("kvx-teacher-2x", "kvx-teacher-4x")]
+    teacher_paths = [student_path] + [t for t in given if Path(t).resolve() != Path(student_path).resolve()]
+    preset = QUICK_DISTILL if quick else FULL_DISTILL
+    ds = DistillSettings(budgets=_ints(budgets or preset["budgets"], "--budgets"), seq_len=seq_len,
+                         batch_size=batch_size or preset["batch_size"], lr=lr)
+    study = MLAStudy(ratios=_floats(ratios, "--ratios"), rope_dim=rope_dim, distill=ds)
+    taskset = _taskset(student_path, quick, context_len, n_recall)
+    t0 = time.perf_counter()
+    result = mla_study(student_path, teacher_paths, study, taskset, cache_dir or DEFAULT_CACHE,
+                       log=lambda m: console.print(f"[dim]{m}[/]", highlight=False))
+    result["command"] = (f"kvexport eval mla {student_path} --teachers {','.join(given)} --ratios {ratios}"
+                         + (" --quick" if quick else "") + (f" --budgets {budgets}" if budgets else ""))
+    result["quick"] = quick
+    result["wall_s"] = time.perf_counter() - t0
+    json_path, png_path = _paths(out, "mla", student_path, quick)
+    json_path.write_text(json.dumps(result, indent=1))
+    plot_mla_study(result, png_path)
+    Console().print(f"baseline accuracy {result['baseline']['accuracy']:.3f}; wrote {json_path} and {png_path} in "
+                    f"{result['wall_s']:.0f}s", highlight=False)
+
+
+@eval_app.command("combo")
+def combo_cmd(
+    model: Optional[str] = typer.Argument(None, help="HF model directory. Default: the bundled reference student."),
+    press: str = typer.Option("expected_attention", help="Eviction press used alone and on top of MLA."),
+    targets: str = typer.Option("3.6,6.4,12.8", help="Memory targets: full context cache / compressed (> 1)."),
+    rope_dim: Optional[int] = typer.Option(None, help="d_rope of the MLA students. Default: original cache / 32."),
+    tokens: Optional[int] = typer.Option(None, help="Self-distillation tokens per MLA student. Default 262144 "
+                                         "(--quick: 32768)."),
+    seq_len: int = typer.Option(256, help="Distillation sequence length."),
+    batch_size: Optional[int] = typer.Option(None, help="Distillation batch (sequences). Default 8 (--quick: 4)."),
+    lr: float = typer.Option(1e-3, help="Distillation learning rate (constant)."),
+    context_len: Optional[int] = typer.Option(None, help="Task context length. Default 192 (--quick: 160)."),
+    n_recall: Optional[int] = typer.Option(None, help="Examples per recall task. Default 32 (--quick: 16)."),
+    quick: bool = typer.Option(False, "--quick", help="Small distillation and task set."),
+    out: Path = typer.Option(Path("."), help=OUT_HELP),
+    cache_dir: Optional[Path] = typer.Option(None, help="Where distilled students are cached (shared with `eval mla`)."),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
+) -> None:
+    """Eviction alone, MLA alone and MLA + eviction at equal KV-cache memory per sequence: a markdown table
+    (and JSON) of task accuracy. MLA students are distilled from the model itself (cached, shared with
+    `kvexport eval mla`)."""
+    from rich.console import Console
+
+    from kvexport.cli.common import resolve_model
+    from kvexport.eval.combo import combo_study
+    from kvexport.eval.mla_study import DEFAULT_CACHE, DistillSettings
+    from kvexport.presses import PRESSES
+
+    if press not in PRESSES or press == "optimal":
+        from kvexport.errors import BadUsage
+
+        raise BadUsage(f"unknown press {press!r}; accepted: {', '.join(p for p in PRESSES if p != 'optimal')}")
+    console = _console()
+    _setup(threads)
+    model_path = resolve_model(model)
+    preset = QUICK_DISTILL if quick else FULL_DISTILL
+    # by default the same budgets as `eval mla` (its self-distilled students are reused from the cache)
+    ds = DistillSettings(budgets=(tokens,) if tokens else _ints(preset["budgets"], "budgets"), seq_len=seq_len,
+                         batch_size=batch_size or preset["batch_size"], lr=lr)
+    taskset = _taskset(model_path, quick, context_len, n_recall)
+    t0 = time.perf_counter()
+    result = combo_study(model_path, taskset, press=press, targets=_floats(targets, "--targets"), rope_dim=rope_dim,
+                         distill_settings=ds, cache_dir=cache_dir or DEFAULT_CACHE,
+                         log=lambda m: console.print(f"[dim]{m}[/]", highlight=False))
+    result["command"] = f"kvexport eval combo {model_path} --press {press} --targets {targets}" + (
+        " --quick" if quick else "")
+    result["quick"] = quick
+    result["wall_s"] = time.perf_counter() - t0
+    json_path, _ = _paths(out, "combo", model_path, quick)
+    json_path.write_text(json.dumps(result, indent=1))
+    md = json_path.with_suffix(".md")
+    md.write_text(f"`{result['command']}`\n\n{result['table']}")
+    Console().print(result["table"], highlight=False)
+    Console().print(f"wrote {json_path} and {md} in {result['wall_s']:.0f}s", highlight=False)

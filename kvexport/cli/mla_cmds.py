@@ -90,6 +90,8 @@ def rewrite_cmd(
     if mla_cfg is not None:
         raise BadUsage(f"{model} is already an MLA model")
     settings.check_model(spec.head_dim, spec.hidden_size, spec.num_kv_heads)
+    if out.exists() and not out.is_dir():
+        raise BadUsage(f"--out {out} is a file; give a directory path")
     if out.exists() and any(out.iterdir()):
         raise BadUsage(f"output directory {out} exists and is not empty; choose another --out")
     tok = load_tokenizer(model)

@@ -54,6 +54,8 @@ class ConvertConfig:
     budget: int | None = None
     window: int | None = None
     chunk: int | None = None
+    #: capacity of a static full cache (no press): the longest context the export takes (default: the model's)
+    max_positions: int | None = None
     distill_teacher: str | None = None
     distill_data: str | None = None
     distill_tokens: int | None = None
@@ -138,7 +140,8 @@ class ConvertConfig:
                 raise BadUsage(f"{source}: {name} must be an integer, got {v!r}")
             setattr(self, name, iv)
 
-        for name in ("mla_rank", "rope_dim", "budget", "window", "chunk", "distill_tokens", "decode_steps",
+        for name in ("mla_rank", "rope_dim", "budget", "window", "chunk", "max_positions", "distill_tokens",
+                     "decode_steps",
                      "validate_steps", "seed"):
             as_int(name)
         if self.mla_energy is not None:
@@ -199,6 +202,8 @@ class ConvertConfig:
             raise BadUsage(f"--window {self.window} must be >= 1 token")
         if self.chunk is not None and self.chunk < 1:
             raise BadUsage(f"--chunk {self.chunk} must be >= 1 token")
+        if self.max_positions is not None and self.max_positions < 1:
+            raise BadUsage(f"--max-positions {self.max_positions} must be >= 1 token")
         if self.distill_teacher is None and (self.distill_data is not None or self.distill_tokens is not None):
             raise BadUsage("--distill-data/--distill-tokens need a teacher: add --distill-teacher MODEL")
         if self.distill_teacher is not None:

@@ -27,7 +27,7 @@ def export_converted(st) -> Path:
     press = cfg.press if cfg.uses_press else None
     kw = _kwargs(export_model, press=press, budget=cfg.budget if press else None,
                  window=cfg.window if press else 32, chunk=cfg.chunk, dtype="fp16" if cfg.fp16 else "fp32",
-                 ops="custom", force=False)
+                 ops="custom", force=False, max_positions=cfg.max_positions)
     return export_model(model, st.work / layout.ONNX_DIR, **kw)
 
 

@@ -106,6 +106,9 @@ def resolve_settings(cfg: ConvertConfig) -> tuple[ConvertConfig, Path, Any]:
         ctx_max = int(spec.max_position_embeddings)
         if cfg.budget + cfg.window > ctx_max:
             raise BadUsage(f"--budget {cfg.budget} + --window {cfg.window} exceeds the model's {ctx_max} positions")
+    if cfg.max_positions is not None and cfg.max_positions > int(spec.max_position_embeddings):
+        raise BadUsage(f"--max-positions {cfg.max_positions} exceeds the model's {spec.max_position_embeddings} "
+                       "positions")
     if cfg.chunk > int(spec.max_position_embeddings):
         raise BadUsage(f"--chunk {cfg.chunk} exceeds the model's {spec.max_position_embeddings} positions")
     if cfg.distills:

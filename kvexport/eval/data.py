@@ -1,78 +1,100 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Held-out text for evaluations: the Python-stdlib split the reference models were trained without.
+"""Held-out text for evaluations: the Python standard library split used to train the reference models.
 
-The split is defined once, in ``scripts/train_reference.py`` (``corpus_files``: every stdlib ``*.py``
-outside ``site-packages``/test folders/``pydoc_data``; a file is held out iff
-``sha256(relative path)[0] < 13``, ≈5 %). This module imports that script by path and reuses its
-functions (``corpus_files``, ``read_text``, ``encode_split``), so evaluation and training cannot drift apart.
+Every ``*.py`` file under ``sysconfig.get_paths()["stdlib"]``, skipping ``site-packages``, ``test``,
+``tests``, ``idle_test``, ``pydoc_data`` and ``__pycache__``, sorted by relative POSIX path. A file is
+held out iff the first byte of ``sha256(relative path)`` is below :data:`HELDOUT_BYTE` (≈5 %).
+``scripts/train_reference.py`` trains on the rest, so these files were never seen in training.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import sys
+import hashlib
+import sysconfig
+from pathlib import Path
 
 import torch
 
-from kvexport.errors import MissingBackend
-from kvexport.paths import REPO_ROOT
-
-TRAIN_SCRIPT = REPO_ROOT / "scripts" / "train_reference.py"
+EXCLUDED_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "pydoc_data", "__pycache__"})
+HELDOUT_BYTE = 13
 
 
-@functools.cache
-def train_reference():
-    """The ``scripts/train_reference.py`` module (imported by path; the split lives there)."""
-    if not TRAIN_SCRIPT.is_file():
-        raise MissingBackend(f"{TRAIN_SCRIPT} is missing; the held-out split is defined there (run from a source "
-                             "checkout of kvexport)")
-    name = "kvexport_train_reference"
-    spec = importlib.util.spec_from_file_location(name, TRAIN_SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
 
 
 def corpus_files() -> tuple[list[str], list[str]]:
-    """-> (train, held-out): stdlib-relative POSIX paths, sorted (``train_reference.corpus_files``)."""
-    return train_reference().corpus_files()
+    """-> (train, held-out): stdlib-relative POSIX paths, sorted."""
+    root = stdlib_root()
+    rels = sorted(
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*.py")
+        if not EXCLUDED_DIRS.intersection(p.relative_to(root).parts)
+    )
+    train, held = [], []
+    for r in rels:
+        (held if hashlib.sha256(r.encode()).digest()[0] < HELDOUT_BYTE else train).append(r)
+    return train, held
 
 
 def read_text(rel: str) -> str | None:
     """A stdlib file's text, or None when it is not UTF-8."""
-    return train_reference().read_text(rel)
+    try:
+        return (stdlib_root() / rel).read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return None
 
 
 def heldout_texts() -> list[str]:
-    """The held-out files' texts (UTF-8 ones), in split order."""
+    """The held-out files' texts (the UTF-8 ones), in split order."""
     return [t for t in (read_text(r) for r in corpus_files()[1]) if t is not None]
 
 
-@functools.lru_cache(maxsize=4)
-def _stream(tokenizer) -> torch.Tensor:
-    tr = train_reference()
-    held = corpus_files()[1]
-    if tokenizer.bos_token_id is not None and tokenizer.eos_token_id is not None:
-        return torch.from_numpy(tr.encode_split(held, tokenizer).astype("int64"))
-    out: list[int] = []  # a tokenizer without bos/eos (a user's model): files simply concatenated
-    for t in heldout_texts():
-        out += tokenizer(t, add_special_tokens=False)["input_ids"]
-    return torch.tensor(out, dtype=torch.long)
+_STREAMS: dict[int, tuple[object, torch.Tensor]] = {}
 
 
 def heldout_stream(tokenizer) -> torch.Tensor:
-    """(N,) int64: the held-out files tokenized and concatenated as ``bos text eos`` (training's layout)."""
-    return _stream(tokenizer)
+    """(N,) int64: the held-out files tokenized and concatenated, each as ``bos text eos`` when the
+    tokenizer has those tokens (the layout ``scripts/train_reference.py`` trains on). Cached per tokenizer."""
+    hit = _STREAMS.get(id(tokenizer))
+    if hit is not None and hit[0] is tokenizer:
+        return hit[1]
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    out: list[int] = []
+    for text in heldout_texts():
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        out += ([bos] if bos is not None else []) + ids + ([eos] if eos is not None else [])
+    stream = torch.tensor(out, dtype=torch.long)
+    _STREAMS[id(tokenizer)] = (tokenizer, stream)
+    return stream
 
 
 def heldout_windows(tokenizer, n: int, length: int, offset: int = 0) -> torch.Tensor:
     """(n', length) int64, n' <= n: non-overlapping windows spread evenly over :func:`heldout_stream`,
-    starting ``offset`` tokens into it (different offsets give different windows for different tasks)."""
+    starting ``offset`` tokens in (another offset gives other windows, e.g. for another task)."""
     stream = heldout_stream(tokenizer)[offset:]
     total = stream.numel() // length
     if total == 0 or n < 1:
         return stream.new_zeros(0, length)
     idx = torch.linspace(0, total - 1, min(n, total)).long()
     return torch.stack([stream[i * length : (i + 1) * length] for i in idx.tolist()])
+
+
+def train_tokens(tokenizer, n_tokens: int, seed: int = 0) -> torch.Tensor:
+    """(>= n_tokens,) int64 from the *train* split (for distillation): train files in a seeded random order,
+    each as ``bos text eos``, concatenated until ``n_tokens`` are reached (or the split runs out)."""
+    import random
+
+    files = corpus_files()[0]
+    random.Random(seed).shuffle(files)
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    out: list[int] = []
+    for rel in files:
+        text = read_text(rel)
+        if text is None:
+            continue
+        out += ([bos] if bos is not None else []) + tokenizer(text, add_special_tokens=False)["input_ids"]
+        out += [eos] if eos is not None else []
+        if len(out) >= n_tokens:
+            break
+    return torch.tensor(out, dtype=torch.long)

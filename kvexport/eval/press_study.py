@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvexport.errors import BadUsage
+from kvexport.eval.metrics import agreement_count, layer_discrepancy, nll_sum, relative_discrepancy
 from kvexport.presses import PRESSES, OptimalPress, make_press
 
 #: the presses of the paper's figure, then the oracle and a random baseline
@@ -53,6 +54,8 @@ METRIC_DOC = {
     "relative_discrepancy": "same mean of ||h - h_compr||_2 / ||h||_2",
     "ppl": "exp(mean cross-entropy of the next token at each of the F future steps, compressed cache)",
     "agreement": "fraction of the F future steps whose argmax equals the full-cache argmax",
+    "kept_per_layer": "prompt tokens each layer keeps after compression: int(P * (1 - ratio)) (kvpress's rule); "
+    "PyramidKV: its per-layer pyramid (lower layers keep more)",
 }
 
 
@@ -127,17 +130,17 @@ def press_study(decoder, windows: torch.Tensor, study: PressStudy, progress=None
         ids = windows[s : s + study.batch]
         targets = ids[:, P + 1 : P + F + 1]  # (B, F)
         h_ref, lg_ref = run_window(decoder, ids, P, F)
-        top_ref = lg_ref.argmax(-1)
-        full_nll += _nll_sum(lg_ref, targets)
+        full_nll += nll_sum(lg_ref, targets)
         for p in study.presses:
             for r in study.ratios:
-                h, lg = run_window(decoder, ids, P, F, _press(p, r, decoder, ids, study))
+                press = _press(p, r, decoder, ids, study)
+                h, lg = run_window(decoder, ids, P, F, press)
                 a = acc[(p, r)]
-                diff = (h - h_ref).norm(dim=-1)  # (L, B, F)
-                a["d"] += diff.sum((1, 2)).cpu()
-                a["rel"] += (diff / h_ref.norm(dim=-1).clamp_min(1e-12)).sum((1, 2)).cpu()
-                a["nll"] += _nll_sum(lg, targets)
-                a["agree"] += (lg.argmax(-1) == top_ref).sum().item()
+                a["kept"] = press.layer_budgets(L, P)
+                a["d"] += layer_discrepancy(h, h_ref).sum((1, 2)).cpu()  # (L,)
+                a["rel"] += relative_discrepancy(h, h_ref).sum((1, 2)).cpu()
+                a["nll"] += nll_sum(lg, targets)
+                a["agree"] += agreement_count(lg, lg_ref)
                 if progress:
                     progress(p, r, s)
         n += ids.shape[0] * F
@@ -149,6 +152,7 @@ def press_study(decoder, windows: torch.Tensor, study: PressStudy, progress=None
             "relative_discrepancy": (a["rel"].sum() / (n * L)).item(),
             "ppl": math.exp(a["nll"] / n),
             "agreement": a["agree"] / n,
+            "kept_per_layer": a["kept"],
         }
     return {
         "study": "press discrepancy vs compression ratio (Expected Attention, Devoto et al. 2025)",
@@ -165,49 +169,3 @@ def press_study(decoder, windows: torch.Tensor, study: PressStudy, progress=None
         "full_cache": {"ppl": math.exp(full_nll / n), "tokens_scored": n},
         "results": results,
     }
-
-
-def _nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> float:
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum").item()
-
-
-def plot_press_study(result: dict, path) -> None:
-    """PNG with three panels (discrepancy, perplexity, agreement) vs ratio; one line per press, Optimal dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
-    keys = [
-        ("discrepancy", "layer-output discrepancy ‖h − h_compr‖"),
-        ("ppl", "held-out perplexity"),
-        ("agreement", "next-token agreement with full cache"),
-    ]
-    for ax, (k, title) in zip(axes, keys, strict=True):
-        for i, (press, by_ratio) in enumerate(result["results"].items()):
-            rs = sorted(by_ratio, key=float)
-            style = (
-                {"ls": "--", "color": "black", "lw": 2}
-                if press == "optimal"
-                else {"color": f"C{i}", "marker": "o", "ms": 3}
-            )
-            if press == "random":
-                style = {"ls": ":", "color": "grey"}
-            ax.plot([float(r) for r in rs], [by_ratio[r][k] for r in rs], label=press, **style)
-        if k == "ppl":
-            ax.axhline(result["full_cache"]["ppl"], color="grey", lw=0.8, label="full cache")
-            ax.set_yscale("log")
-        ax.set_xlabel("compression ratio")
-        ax.set_title(title, fontsize=10)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    s = result["settings"]
-    fig.suptitle(
-        f"{result.get('model', '')}: {s['windows']} held-out windows, prompt {s['prompt_len']}, "
-        f"future {s['future_len']}",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -3,15 +3,24 @@
 
 ``export_model`` writes the graphs (:mod:`kvexport.export.exporter`), ``OrtGenerator`` runs them with
 onnxruntime IO binding (:mod:`kvexport.export.runtime`), ``validate`` compares them with the PyTorch
-model (:mod:`kvexport.export.validate`). onnxruntime and Polygraphy are imported only when used.
+model (:mod:`kvexport.export.validate`). torch (for exporting), onnxruntime and Polygraphy are imported
+only when used, so a deployment that only runs exports does not load torch.
 """
 
 from __future__ import annotations
 
-from kvexport.export.exporter import export_model
 from kvexport.export.manifest import atomic_output, read_manifest, verify_manifest, write_manifest
 from kvexport.export.runtime import OrtGenerationResult, OrtGenerator
 from kvexport.export.validate import validate
+
+
+def __getattr__(name):
+    if name == "export_model":
+        from kvexport.export.exporter import export_model
+
+        return export_model
+    raise AttributeError(name)
+
 
 __all__ = ["export_model", "OrtGenerator", "OrtGenerationResult", "validate", "atomic_output", "read_manifest",
            "verify_manifest", "write_manifest"]

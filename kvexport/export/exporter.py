@@ -34,9 +34,9 @@ import torch
 
 from kvexport.errors import BadUsage
 from kvexport.export import graphs, ops
+from kvexport.export.manifest import ONNX_EXPORT as KIND
 from kvexport.export.manifest import atomic_output, check_out_dir, write_manifest
 
-KIND = "onnx-export"
 EXTERNAL_DATA_BYTES = 4 << 20  # a graph with more initializer bytes than this keeps them in <graph>.onnx.data
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 NOT_EXPORTABLE = {

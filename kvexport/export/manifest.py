@@ -24,6 +24,7 @@ from kvexport.errors import BadArtifact, BadUsage
 
 MANIFEST = "manifest.json"
 FORMAT = 1
+ONNX_EXPORT = "onnx-export"  # kind of the directories `kvexport export` writes
 
 
 def _version() -> str:

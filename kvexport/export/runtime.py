@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from kvexport.errors import BadUsage, MissingBackend
-from kvexport.export.exporter import KIND
+from kvexport.export.manifest import ONNX_EXPORT as KIND
 from kvexport.export.manifest import verify_manifest
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}

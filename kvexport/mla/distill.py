@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -172,6 +173,8 @@ def latest_checkpoint(out: Path) -> Path | None:
 
 def check_out_dir(out: Path, resume: bool) -> None:
     """Refuse to clobber a directory, or to resume from nothing (before anything is written)."""
+    if out.exists() and not out.is_dir():
+        raise BadUsage(f"--out {out} is a file; give a directory path")
     if resume:
         if latest_checkpoint(out) is None:
             raise BadUsage(f"--resume: {out} has no checkpoint to resume from")
@@ -292,12 +295,25 @@ def distill(student, teacher, ids: torch.Tensor, out: str | Path, cfg: DistillCo
 
 
 def _checkpoint(acc, out: Path, step: int, tokens: int) -> None:
+    # written under a temporary name and renamed once complete: an interrupted save leaves no step-* directory
     ck = out / CHECKPOINTS / f"step-{step:06d}"
-    acc.save_state(str(ck))
+    tmp = out / CHECKPOINTS / f".step-{step:06d}.tmp"
     if acc.is_main_process:
-        (ck / "trainer_state.json").write_text(json.dumps({"step": step, "tokens": tokens}) + "\n")
-        for old in sorted((out / CHECKPOINTS).glob("step-*"))[:-2]:  # keep the last two
-            shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # from an earlier, interrupted save
+    acc.wait_for_everyone()
+    try:
+        acc.save_state(str(tmp))
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "tokens": tokens}) + "\n")
+            shutil.rmtree(ck, ignore_errors=True)
+            os.rename(tmp, ck)
+            for old in sorted((out / CHECKPOINTS).glob("step-*"))[:-2]:  # keep the last two
+                shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     acc.wait_for_everyone()
 
 

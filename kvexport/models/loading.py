@@ -9,9 +9,10 @@ from typing import Any
 
 import torch
 
-from kvexport.errors import BadModel
+from kvexport.errors import BadModel, BadUsage
 from kvexport.models.spec import SUPPORTED_FAMILIES, ModelSpec, supported_families_text
 
+REQUIRED_CONFIG_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
@@ -35,6 +36,11 @@ def check_model_dir(path: str | Path) -> dict[str, Any]:
     mt = cfg.get("model_type")
     if mt not in SUPPORTED_FAMILIES:
         raise BadModel(f"unsupported model family {mt!r} in {cfg_path}; supported: {supported_families_text()}")
+    # transformers fills absent fields with its defaults (e.g. 32 layers of 4096), which then fail or,
+    # worse, load silently with fresh random weights: require them in the file itself
+    missing = [k for k in REQUIRED_CONFIG_FIELDS if cfg.get(k) is None]
+    if missing:
+        raise BadModel(f"{cfg_path} lacks required field(s) {', '.join(missing)}")
     if not any(p.glob("*.safetensors")):
         raise BadModel(f"{str(p)!r} has no *.safetensors weights")
     for f in p.glob("*.safetensors"):
@@ -62,6 +68,15 @@ def _check_safetensors(f: Path) -> None:
         raise BadModel(f"weights file {f} is damaged or not safetensors ({e.__class__.__name__}: {e})"[:300]) from None
 
 
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """"fp32"/"fp16"/"bf16" (or a torch dtype) -> torch dtype; BadUsage naming the accepted ones otherwise."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise BadUsage(f"--dtype {dtype!r} unknown; accepted: fp32, fp16, bf16")
+    return DTYPES[dtype]
+
+
 def load_hf_model(model: str | Path | torch.nn.Module, dtype: str | torch.dtype = "fp32"):
     """-> a transformers ``*ForCausalLM`` in eval mode. ``model`` is a directory or a loaded model."""
     if isinstance(model, torch.nn.Module):
@@ -69,8 +84,8 @@ def load_hf_model(model: str | Path | torch.nn.Module, dtype: str | torch.dtype 
         return model.eval()
     from transformers import AutoModelForCausalLM
 
+    td = resolve_dtype(dtype)
     check_model_dir(model)
-    td = DTYPES[dtype] if isinstance(dtype, str) else dtype
     try:
         hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=td, attn_implementation="eager")
     except Exception as e:  # noqa: BLE001
@@ -97,6 +112,7 @@ def load_decoder(model: str | Path | torch.nn.Module, dtype: str | torch.dtype =
     """HF model -> (kvexport Decoder, HF model). A kvexport MLA directory -> (MLA Decoder, None)."""
     from kvexport.models.decoder import Decoder
 
+    resolve_dtype(dtype)
     if not isinstance(model, torch.nn.Module):
         from kvexport.mla.io import is_mla_dir, load_mla
 

@@ -6,7 +6,8 @@ Elements cached per token and layer:
     MLA:      r_kv + d_rope              (the shared latent and the decoupled RoPE key; X-EcoMLA,
                                           see REFERENCE.md section 2), r_kv may differ per layer
 A static-budget cache allocates ``budget + window`` slots per layer once and never grows; a full
-cache holds every token of the context. Position indices (int64 per slot and cache head) are
+cache holds every token of the context (a static export without a press allocates its whole
+``capacity`` up front: then that is what is resident). Position indices (int64 per slot and cache head) are
 counted apart in ``index_bytes`` (they are not K/V data).
 """
 
@@ -28,6 +29,8 @@ class CacheShape:
     budget: int | None = None  # None = full cache (grows with the context)
     window: int = 0
     dtype_bytes: int = 4
+    #: a full cache allocated once at a fixed capacity (a static export without a press), else None
+    capacity: int | None = None
 
     def elements_per_token(self) -> list[int]:
         """Per layer: cached elements per token."""
@@ -41,7 +44,7 @@ class CacheShape:
     def slots(self, context: int) -> int:
         """Slots allocated per layer for a sequence of ``context`` tokens."""
         if self.budget is None:
-            return int(context)
+            return int(self.capacity) if self.capacity else int(context)
         return int(self.budget) + int(self.window)
 
     def bytes_per_token(self) -> int:
@@ -53,7 +56,7 @@ class CacheShape:
         return batch * self.slots(context) * self.bytes_per_token()
 
     def index_bytes_at(self, context: int, batch: int = 1) -> int:
-        if self.budget is None:
+        if self.budget is None and not self.capacity:
             return 0
         return batch * self.num_layers * self.cache_heads() * self.slots(context) * 8
 
@@ -62,7 +65,7 @@ class CacheShape:
             "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
             "mla_ranks": list(self.mla_ranks) if self.mla_ranks is not None else None,
             "rope_dim": self.rope_dim, "budget": self.budget, "window": self.window,
-            "dtype_bytes": self.dtype_bytes, "bytes_per_token": self.bytes_per_token(),
+            "dtype_bytes": self.dtype_bytes, "capacity": self.capacity, "bytes_per_token": self.bytes_per_token(),
         }
 
 

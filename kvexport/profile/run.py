@@ -32,9 +32,26 @@ def dir_settings(d: Path) -> dict[str, Any]:
     if man is None:
         raise BadArtifact(f"{d} has neither convert.json nor an export manifest.json: give a directory made by "
                           "`kvexport convert` or `kvexport export`")
-    s = dict(man.get("settings") or {})
-    s.setdefault("model", man.get("model") or man.get("source_model"))
-    return s
+    return settings_from_manifest(man)
+
+
+def settings_from_manifest(man: dict[str, Any]) -> dict[str, Any]:
+    """An export manifest's settings (``kvexport export``) in convert.json's vocabulary."""
+    ms = dict(man.get("settings") or {})
+    press = ms.get("press") or None
+    params = (press or {}).get("params") or {}
+    mla = ms.get("mla") or None
+    return {
+        "model": ms.get("source"),
+        "press": press["name"] if press else "none",
+        "budget": params.get("budget") if press else None,
+        "window": ms.get("window") if press else None,
+        "chunk": ms.get("chunk"),
+        "fp16": ms.get("dtype") == "fp16",
+        "mla_ranks": list(mla["kv_ranks"]) if mla else None,
+        "rope_dim": mla.get("rope_dim") if mla else None,
+        "plain_export": True,
+    }
 
 
 def model_spec(model_path: str | Path):
@@ -64,14 +81,23 @@ def cache_shape_of(d: Path, settings: dict[str, Any], spec) -> CacheShape:
         cfg = read_mla_config(mla_dir)
         ranks = tuple(int(layer["kv_rank"]) for layer in cfg["layers"])
         rope = 2 * len(cfg["layers"][0].get("rope_pairs", [])) or int(cfg["settings"].get("rope_dim", 0))
+    elif settings.get("mla_ranks"):
+        ranks = tuple(int(r) for r in settings["mla_ranks"])
+        rope = int(settings.get("rope_dim") or 0)
     elif settings.get("mla_rank"):
         ranks = (int(settings["mla_rank"]),) * spec.num_layers
         rope = int(settings.get("rope_dim") or 0)
     press = settings.get("press")
     budget = int(settings["budget"]) if press not in (None, "none") and settings.get("budget") else None
     window = int(settings.get("window") or 0) if budget else 0
+    capacity = None
+    man = layout.read_manifest(layout.export_dir_of(d))
+    if budget is None and man is not None:
+        ms = man.get("settings") or {}
+        if ms.get("mode") == "static" and ms.get("capacities"):
+            capacity = int(max(ms["capacities"]))
     return CacheShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, ranks, rope, budget, window,
-                      2 if settings.get("fp16") else 4)
+                      2 if settings.get("fp16") else 4, capacity)
 
 
 def _pytorch_runners(d: Path, settings: dict[str, Any], shape: CacheShape, max_tokens: int, with_baseline: bool):
@@ -131,7 +157,14 @@ def profile_dir(d: str | Path, backend: str = "onnxruntime", contexts: list[int]
     settings = dir_settings(d)
     contexts = sorted(set(contexts or settings.get("contexts") or [512, 2048, 8192]))
     mla_dir = d / layout.MLA_DIR
-    spec = model_spec(mla_dir if (mla_dir / "kvexport_mla.json").is_file() else settings["model"])
+    if (mla_dir / "kvexport_mla.json").is_file():
+        spec = model_spec(mla_dir)
+    elif settings.get("plain_export"):
+        from kvexport.models.spec import ModelSpec
+
+        spec = ModelSpec(**layout.read_manifest(d)["settings"]["spec"])
+    else:
+        spec = model_spec(settings["model"])
     max_pos = int(spec.max_position_embeddings)
     keep = [c for c in contexts if c + decode_steps <= max_pos]
     skipped = [{"context": c, "reason": f"past the model's {max_pos} positions"} for c in contexts if c not in keep]
@@ -139,6 +172,9 @@ def profile_dir(d: str | Path, backend: str = "onnxruntime", contexts: list[int]
         raise BadUsage(f"every context in {contexts} (+{decode_steps} decode steps) is past the model's "
                        f"{max_pos} positions")
     shape = cache_shape_of(d, settings, spec)
+    if backend == "pytorch" and settings.get("plain_export") and settings.get("mla_ranks"):
+        raise BadUsage(f"{d} is a bare MLA export: profile the PyTorch path on the `kvexport convert` directory "
+                       "that holds its mla/ model")
     if backend == "pytorch":
         runners = _pytorch_runners(d, settings, shape, max(keep) + decode_steps, baseline)
     else:

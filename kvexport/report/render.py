@@ -114,7 +114,9 @@ def build_sections(rep: dict[str, Any], plot_stems: dict[str, str]) -> list[Sect
             f"{fmt_bytes(cache.get('baseline_bytes_per_token'))} for the original model's full cache "
             f"({fmt(cache.get('per_token_ratio'))}x). "
             + (f"Static budget {sh.get('budget')} + window {sh.get('window')} slots per layer: the cache size "
-               "does not grow with the context." if sh.get("budget") else "Full cache: grows with the context."))
+               "does not grow with the context." if sh.get("budget") else
+               f"Full cache allocated once at {sh.get('capacity')} slots (the export's capacity)."
+               if sh.get("capacity") else "Full cache: grows with the context."))
         s.blocks.append(Table(["context", "KV cache (converted)", "KV cache (baseline)", "ratio", "position indices"],
                               [[r["context"], fmt_bytes(r["kv_bytes"]), fmt_bytes(r["baseline_kv_bytes"]),
                                 f"{fmt(r['ratio'])}x", fmt_bytes(r.get("index_bytes"))]

@@ -128,3 +128,22 @@ def test_parse_contexts():
         parse_contexts("0")
     with pytest.raises(BadUsage):
         parse_contexts("")
+
+
+def test_examples_parse():
+    """The examples' YAML is a valid convert config and their scripts are valid bash."""
+    import subprocess
+
+    from kvexport.paths import REPO_ROOT
+
+    ex = REPO_ROOT / "examples"
+    cfg = ConvertConfig.from_file(ex / "convert_config.yaml")
+    assert (cfg.press, cfg.budget, cfg.mla_rank, cfg.rope_dim, cfg.contexts) == ("snapkv", 256, 128, 32,
+                                                                                  [512, 2048, 8192])
+    cfg.check()
+    scripts = sorted(ex.rglob("*.sh"))
+    assert len(scripts) >= 5
+    for s in scripts:
+        r = subprocess.run(["bash", "-n", str(s)], capture_output=True, text=True)
+        assert r.returncode == 0, (s, r.stderr)
+        assert "kvexport convert" in s.read_text() or "kvexport build-engine" in s.read_text()

@@ -161,3 +161,14 @@ def test_step_runner_matches_generate(converted, variant):
         toks.append(runner.decode(toks[-1]))
     ref = OrtGenerator(out / variant).generate(ids, np.ones_like(ids), max_new_tokens=12)
     assert toks == ref.tokens[0].tolist()
+
+
+def test_profile_a_plain_export(converted):
+    """``kvexport profile`` also takes an export directory on its own (settings from its manifest)."""
+    from kvexport.profile.run import profile_dir
+
+    out, _ = converted
+    prof = profile_dir(out / "onnx", contexts=[24], decode_steps=2, write=False)
+    assert list(prof["variants"]) == ["converted"]
+    assert prof["cache"]["shape"]["mla_ranks"] == [16, 16] and prof["cache"]["shape"]["budget"] == 16
+    assert prof["variants"]["converted"]["contexts"][0]["kv_bytes"] == 20 * 2 * (16 + 8) * 4

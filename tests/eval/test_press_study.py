@@ -63,6 +63,30 @@ def test_metrics_match_their_definition(tiny):
     assert res["agreement"] == pytest.approx((lg.argmax(-1) == lg_ref.argmax(-1)).float().mean().item())
 
 
+@pytest.mark.parametrize("press", ["knorm", "pyramidkv", "optimal"])
+@pytest.mark.parametrize("ratio", [0.0, 0.25, 0.5, 0.9])
+def test_ratio_maps_to_budget(tiny, press, ratio):
+    """The cache holds int(P (1 - ratio)) prompt tokens per layer after the one-shot prefill compression
+    (kvpress's rule; PyramidKV: its per-layer budgets), and the JSON reports those numbers."""
+    _, dec, w = tiny
+    study = PressStudy(ratios=(ratio,), presses=(press,), prompt_len=P, future_len=F, batch=3)
+    res = press_study(dec, w, study)["results"][press][f"{ratio:g}"]
+    from kvexport.eval.press_study import _press
+
+    pr = _press(press, ratio, dec, w, study)
+    L = dec.spec.num_layers
+    budgets = pr.layer_budgets(L, P)
+    if press != "pyramidkv":
+        assert budgets == [int(P * (1 - ratio))] * L
+    assert res["kept_per_layer"] == budgets
+    cache = dec.new_cache(w.shape[0], pr, budgets, F + 1)
+    pos = torch.arange(P).expand(w.shape[0], P)
+    dec(w[:, :P], pos, cache, mode="prefill")
+    for layer, b in zip(cache.layers, budgets, strict=True):
+        held = (layer.occupied()[2] >= 0).sum(-1)  # (B, Hc) real tokens per head
+        assert (held == min(b, P)).all(), (press, ratio)
+
+
 def test_split_is_deterministic_and_disjoint():
     train, held = corpus_files()
     assert not set(train) & set(held) and train == sorted(train) and held == sorted(held)
@@ -78,7 +102,7 @@ def test_cli_on_student_optimal_beats_random(tmp_path):
     from kvexport.eval.data import heldout_windows
     from kvexport.models.loading import load_hf_model, load_tokenizer
 
-    out = tmp_path / "study"
+    out = tmp_path
     rc = main(
         [
             "eval",
@@ -98,8 +122,8 @@ def test_cli_on_student_optimal_beats_random(tmp_path):
             str(out),
         ]
     )
-    assert rc == 0 and out.with_suffix(".png").stat().st_size > 0
-    res = json.loads(out.with_suffix(".json").read_text())
+    assert rc == 0 and (out / "presses_kvx-student.png").stat().st_size > 0
+    res = json.loads((out / "presses_kvx-student.json").read_text())
     for r in ("0.5", "0.8"):
         assert res["results"]["optimal"][r]["discrepancy"] < res["results"]["random"][r]["discrepancy"]
     w = heldout_windows(load_tokenizer(DEFAULT_MODEL), 2, 64 + 8 + 1)

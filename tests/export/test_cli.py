@@ -140,3 +140,19 @@ def test_bad_inputs(exported, model_dir, tmp_path, capsys):
     (bad / "manifest.json").write_text(json.dumps(doc))
     rc, err = _code(["generate", str(bad), "--prompt", "hi"], capsys)
     assert rc == 4 and "9.9.9" in err[-1]
+
+
+def test_runtime_buffers_are_allocated_once(exported):
+    """IO binding reuses the same cache buffers for every call: no per-step allocation of the cache."""
+    from kvexport.export import OrtGenerator
+
+    gen = OrtGenerator(exported)
+    ptrs = {n: [b.data_ptr() for b in pair] for n, pair in gen.buffers.items()}
+    logits_ptr = gen.logits.data_ptr()
+    ids = np.random.default_rng(0).integers(3, 4096, (1, 37))
+    res = gen.generate(ids, None, 40)
+    assert res.compactions > 3  # prefill and decode compactions happened
+    assert {n: [b.data_ptr() for b in pair] for n, pair in gen.buffers.items()} == ptrs
+    assert gen.logits.data_ptr() == logits_ptr
+    again = gen.generate(ids, None, 40)  # buffers are reset between generations
+    np.testing.assert_array_equal(again.tokens, res.tokens)

@@ -85,3 +85,24 @@ def _reference_decoder(hf, s):
     from kvexport.export.validate import load_reference_model
 
     return load_reference_model({"settings": s}, hf)
+
+
+@pytest.mark.parametrize("dtype,ops", [("fp32", "standard"), pytest.param("fp16", "custom", marks=pytest.mark.slow)])
+def test_standard_ops_and_fp16(tiny_models, tmp_path, dtype, ops):
+    """--ops standard: plain opset-18 ONNX (functions inlined), same parity; fp16 within its tolerances."""
+    import onnx
+
+    from kvexport.export import export_model, validate
+    from kvexport.export.validate import TOLERANCES
+
+    hf = tiny_models("llama")
+    out = export_model(hf, tmp_path / "x", dtype=dtype, ops=ops, mla_rank=16, rope_dim=4,
+                       **_press(CONFIGS["press"]))
+    for g in ("prefill", "decode", "compact"):
+        m = onnx.load(str(out / f"{g}.onnx"))
+        domains = {n.domain for n in m.graph.node} | {o.domain for o in m.opset_import}
+        assert ("kvexport" in domains) == (ops == "custom")
+        onnx.checker.check_model(m, full_check=True)
+    pair = validate(out, steps=64, model=hf)["pairs"]["pytorch~onnxruntime"]
+    assert pair["max_abs_logit_error"] <= TOLERANCES[dtype][0]
+    assert pair["token_agreement"] == 1.0 and pair["index_agreement"] == 1.0 and pair["passed"]

@@ -69,3 +69,10 @@ def test_static_budget_table():
     assert rows[8192]["baseline_kv_bytes"] == 8192 * per_tok
     assert rows[8192]["ratio"] == pytest.approx(8192 / 288)
     assert full_cache_of(shape).budget is None
+
+
+def test_static_full_cache_counts_its_capacity():
+    """A static export without a press allocates its whole capacity up front: that is what is resident."""
+    shape = CacheShape(4, 2, 32, (16,) * 4, 8, None, 0, 4, capacity=4096)
+    assert shape.bytes_at(512) == shape.bytes_at(4096) == 4096 * 4 * 24 * 4
+    assert full_cache_of(shape).bytes_at(512) == 512 * 4 * 2 * 2 * 32 * 4

@@ -152,3 +152,17 @@ def test_browser_shows_failed_verdict(tmp_path):
     write_report(d)
     dom = dump_dom(d / "report.html")
     assert re.search(r'id="parity-verdict" class="verdict fail">Parity: FAILED<', dom)
+
+
+def test_accuracy_studies_are_tabled(tmp_path):
+    d = make_dir(tmp_path / "conv")
+    (d / "studies").mkdir()
+    (d / "studies" / "press_study.json").write_text(json.dumps({
+        "metric": "mean L2 discrepancy of the last hidden state", "prompts": 8,
+        "rows": [{"press": "snapkv", "ratio": 0.5, "discrepancy": 0.125}, {"press": "knorm", "ratio": 0.5,
+                                                                          "discrepancy": 0.25}]}))
+    write_report(d)
+    md = (d / "report.md").read_text()
+    assert "## Accuracy studies" in md and "press_study:" in md
+    assert "| snapkv | 0.5 | 0.125 |" in md and "| knorm | 0.5 | 0.25 |" in md
+    assert "| metric | mean L2 discrepancy of the last hidden state |" in md

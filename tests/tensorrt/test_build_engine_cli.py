@@ -22,6 +22,7 @@ import kvexport.tensorrt.backend as backend
 import kvexport.tensorrt.plugins as plugins_mod
 from kvexport.cli import main
 from kvexport.errors import BadArtifact, BadUsage, MissingBackend
+from kvexport.export.manifest import write_manifest
 from kvexport.tensorrt import TensorRTRunner, find_onnx_graphs, load_plugins
 from tests.tensorrt.onnx_models import topk_gather_model
 
@@ -44,7 +45,7 @@ def export_dir(tmp_path):
     d.mkdir()
     for name in ("prefill.onnx", "decode.onnx"):
         onnx.save(topk_gather_model(), str(d / name))
-    (d / "manifest.json").write_text("{}")
+    write_manifest(d, "onnx-export", {})  # build-engine verifies the export against its manifest first
     return d
 
 
@@ -67,7 +68,7 @@ def test_missing_dir_exit_2(tmp_path, capsys):
 
 
 def test_dir_without_onnx_exit_4(tmp_path, capsys):
-    (tmp_path / "manifest.json").write_text("{}")
+    write_manifest(tmp_path, "onnx-export", {})
     assert main(["build-engine", str(tmp_path)]) == 4
     assert "holds no .onnx graph" in _one_line(capsys.readouterr().err)
 

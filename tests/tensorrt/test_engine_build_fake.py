@@ -98,6 +98,14 @@ def export_dir(tmp_path, monkeypatch):
     return d
 
 
+def _with_manifest(d):
+    """`kvexport build-engine` verifies the export against its manifest first."""
+    from kvexport.export.manifest import write_manifest
+
+    write_manifest(d, "onnx-export", {})
+    return d
+
+
 @pytest.mark.parametrize("version,functions", [("10.3.0", []), ("10.13.3", ["TopKGather"])])
 def test_parser_sees_version_prepared_graph(export_dir, monkeypatch, version, functions):
     fake, seen = make_fake_trt(version)
@@ -134,9 +142,13 @@ def test_fp16_on_strongly_typed_tensorrt_is_bad_usage(export_dir, monkeypatch):
 def test_cli_builds_one_engine_per_graph(export_dir, monkeypatch, capsys):
     fake, _ = make_fake_trt("10.3.0")
     monkeypatch.setitem(sys.modules, "tensorrt", fake)
-    assert main(["build-engine", str(export_dir)]) == 0
-    out = export_dir / "tensorrt"
+    assert main(["build-engine", str(_with_manifest(export_dir))]) == 0
+    out = export_dir.with_name(export_dir.name + "-tensorrt")  # beside the export: its manifest stays valid
     assert sorted(p.name for p in out.glob("*.engine")) == ["decode.engine", "prefill.engine"]
+    from kvexport.export.manifest import verify_manifest
+
+    assert verify_manifest(out, "tensorrt-engines")["settings"]["tensorrt"] == "10.3.0"
+    verify_manifest(export_dir, "onnx-export")
     record = json.loads((out / "engines.json").read_text())
     assert [r["tensorrt"] for r in record] == ["10.3.0", "10.3.0"]
     assert all(r["stripped_functions"] == ["TopKGather"] for r in record)

@@ -1,0 +1,122 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Interruptions that clean up: SIGTERM (and SIGHUP) raised as :class:`Interrupted` in the main thread.
+
+Python's default SIGTERM handler ends the process at once, without running ``finally`` blocks or
+``except BaseException`` clean-ups, so a ``kill`` during ``kvexport export`` would leave the temporary
+sibling of ``--out`` behind. :func:`interrupts_raise` turns those signals into :class:`Interrupted`
+(a :class:`KeyboardInterrupt`, like Ctrl-C), so every writer that cleans up on ``BaseException``
+(:func:`kvexport.export.manifest.atomic_output`, :func:`kvexport.mla.io.save_mla`, ...) also cleans up
+on ``kill``. Only the first signal raises; further ones arriving during the clean-up are remembered
+and ignored, so a second ``kill`` cannot interrupt the removal of a half-written directory.
+
+The CLI's ``main()`` runs every command inside :func:`interrupts_raise`; library users who want the
+same behaviour wrap their own calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from pathlib import Path
+from typing import Iterator
+
+#: signals turned into :class:`Interrupted` (SIGINT too: its default raises a KeyboardInterrupt that
+#: typer turns into a silent return value; ours is recorded, so the CLI can report it)
+SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+class Interrupted(KeyboardInterrupt):
+    """The process received ``signum``; the CLI exits with ``128 + signum`` after cleaning up."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"received {signal.Signals(signum).name}")
+        self.signum = int(signum)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class SignalState:
+    """What :func:`interrupts_raise` saw: ``signum`` of the first signal (None if none arrived)."""
+
+    def __init__(self) -> None:
+        self.fired: list[int] = []
+
+    @property
+    def signum(self) -> int | None:
+        return self.fired[0] if self.fired else None
+
+
+@contextlib.contextmanager
+def interrupts_raise(signals: tuple[int, ...] = SIGNALS) -> Iterator[SignalState]:
+    """Within the block, the given signals raise :class:`Interrupted` once (main thread only; elsewhere a no-op).
+
+    Yields a :class:`SignalState` that records the signals received (also when something up the stack
+    swallowed the exception).
+    """
+    state = SignalState()
+    if threading.current_thread() is not threading.main_thread():
+        yield state
+        return
+
+    def handler(signum, frame):  # noqa: ARG001 - signal handler signature
+        state.fired.append(signum)
+        if len(state.fired) == 1:
+            raise Interrupted(signum)
+
+    previous = {}
+    for s in signals:
+        try:
+            previous[s] = signal.signal(s, handler)
+        except (OSError, ValueError):  # pragma: no cover - not settable here
+            pass
+    try:
+        yield state
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def leftovers(parent: str | Path, name: str) -> list[Path]:
+    """Temporary siblings of ``parent/name`` that kvexport writers create (``.NAME.*``): should be none."""
+    return sorted(Path(parent).glob(f".{name}.*"))
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to a temporary sibling of ``path`` and rename it onto ``path`` (removed on any error)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_replace_dir(src: str | Path, dst: str | Path) -> None:
+    """Rename the finished directory ``src`` onto ``dst``; an existing ``dst`` is replaced only once ``src`` is in place."""
+    src, dst = Path(src), Path(dst)
+    old = None
+    if dst.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+        os.rename(dst, old / "d")
+    try:
+        os.rename(src, dst)
+    except BaseException:
+        if old is not None:
+            os.rename(old / "d", dst)
+            shutil.rmtree(old, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+__all__ = ["Interrupted", "SignalState", "interrupts_raise", "leftovers", "atomic_write_bytes", "atomic_replace_dir", "SIGNALS"]

@@ -1,0 +1,94 @@
+# SPDX-License-Identifier: Apache-2.0
+"""PNG figures of the studies (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+PRESS_COLORS = {
+    "expected_attention": "C3",
+    "knorm": "C0",
+    "tova": "C1",
+    "keydiff": "C2",
+    "snapkv": "C4",
+    "pyramidkv": "C5",
+    "streaming_llm": "C6",
+    "observed_attention": "C8",
+    "random": "grey",
+    "optimal": "black",
+}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_press_study(result: dict, path) -> None:
+    """Three panels vs compression ratio: layer-output discrepancy, held-out perplexity, next-token agreement;
+    one line per press, Optimal dashed black, Random dotted grey."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    keys = [
+        ("discrepancy", "layer-output discrepancy ‖h − h_compr‖₂ (lower is better)"),
+        ("ppl", "held-out perplexity of the future tokens"),
+        ("agreement", "next-token agreement with the full cache"),
+    ]
+    for ax, (k, title) in zip(axes, keys, strict=True):
+        for i, (press, by_ratio) in enumerate(result["results"].items()):
+            rs = sorted(by_ratio, key=float)
+            style = {"color": PRESS_COLORS.get(press, f"C{i}"), "marker": "o", "ms": 3, "lw": 1.5}
+            if press == "optimal":
+                style = {"ls": "--", "color": "black", "lw": 2.2}
+            elif press == "random":
+                style = {"ls": ":", "color": "grey", "lw": 1.5}
+            ax.plot([float(r) for r in rs], [by_ratio[r][k] for r in rs], label=press, **style)
+        if k == "ppl":
+            ax.axhline(result["full_cache"]["ppl"], color="grey", lw=0.8, ls="-.", label="full cache")
+            ax.set_yscale("log")
+        ax.set_xlabel("compression ratio (fraction of prompt tokens evicted)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    s = result["settings"]
+    fig.suptitle(
+        f"{result.get('model', '')}: {s['windows']} held-out windows, prompt P={s['prompt_len']} compressed once, "
+        f"F={s['future_len']} future tokens teacher-forced{' (quick run)' if result.get('quick') else ''}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_mla_study(result: dict, path) -> None:
+    """One panel per distillation token budget: accuracy vs KV-cache compression ratio, one line per teacher,
+    the original model dashed (X-EcoMLA's figure layout)."""
+    plt = _plt()
+    budgets = list(next(iter(result["results"].values())).keys())
+    fig, axes = plt.subplots(1, len(budgets), figsize=(6.2 * len(budgets), 4.4), sharey=True, squeeze=False)
+    base = result["baseline"]["accuracy"]
+    for ax, b in zip(axes[0], budgets, strict=True):
+        for i, (teacher, by_budget) in enumerate(result["results"].items()):
+            pts = sorted(by_budget[b].values(), key=lambda r: r["ratio"])
+            ax.plot([p["ratio"] for p in pts], [p["accuracy"] for p in pts], marker="o", ms=4, color=f"C{i}",
+                    label=f"teacher {teacher}")
+        ax.axhline(base, color="black", ls="--", lw=1.5, label=f"{result['student']} (original, full cache)")
+        ax.set_xscale("log")
+        ticks = [p["ratio"] for p in result["ranks"]]
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([f"{t:.1f}×\nr={p['kv_rank']}" for t, p in zip(ticks, result["ranks"], strict=True)],
+                           fontsize=8)
+        ax.minorticks_off()
+        ax.set_xlabel("KV-cache compression (per token), latent rank r_kv")
+        ax.set_title(f"distilled on {int(b):,} tokens", fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("accuracy (mean of next-token, code recall, passkey)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"MLA upcycling of {result['student']} (d_rope={result['ranks'][0]['rope_dim']})"
+                 f"{' (quick run)' if result.get('quick') else ''}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

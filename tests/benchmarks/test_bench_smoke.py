@@ -1,0 +1,129 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Smoke test of ``python -m benchmarks --tiny`` plus the harness's bookkeeping (no timing assertions).
+
+The run is one HF row and one kvexport static-budget row on a tiny random Llama at contexts 128/256; its
+JSON must hold every (row, context) cell with positive numbers or an explicit OOM/timeout marker, and the
+KV-cache bytes must equal the analytic formula (2·n_kv·d_h·L·4 bytes per token for a full fp32 cache;
+(budget + window) slots for a static one) and the bytes onnxruntime actually allocated.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import quality, report
+from benchmarks.rows import ROWS, SHAPES, Shape, prompt_tokens
+
+TINY = SHAPES["tiny"]
+
+
+def full_cache_bytes(s: Shape, tokens: int) -> int:
+    return 2 * s.kv_heads * s.head_dim * s.layers * 4 * tokens
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    from benchmarks.__main__ import main
+
+    out = tmp_path_factory.mktemp("bench")
+    cache = tmp_path_factory.mktemp("cache")
+    rc = main(["--tiny", "--rows", "hf,kvx-streaming", "--steps", "4", "--no-optimum", "--out", str(out),
+               "--cache", str(cache), "--cell-timeout", "120"])
+    assert rc == 0
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_json_has_every_cell(tiny_run):
+    out, res = tiny_run
+    assert set(res["rows"]) == {"hf", "kvx-streaming"}
+    cells = {(c["row"], c["context"]): c for c in res["cells"]}
+    assert set(cells) == {(r, c) for r in ("hf", "kvx-streaming") for c in (128, 256)}
+    for c in cells.values():
+        assert c["status"] in ("ok", "oom", "timeout"), c
+        if c["status"] == "ok":
+            assert c["prefill_s"] > 0 and c["decode_ms_median"] > 0 and c["peak_rss"] > 0
+            assert c["decode_steps"] == 4 and all(t > 0 for t in c["result"]["decode_ms"])
+            assert c["bound"]["bytes_per_step"] > c["kv_bytes"]
+    assert res["bandwidth"]["copy_gbps"] > 0
+    md = (out / "results.md").read_text()
+    assert "| hf |" in md and "| kvx-streaming |" in md and "### tiny" in md
+    assert (out / "decode_ms.png").stat().st_size > 0 and (out / "peak_memory.png").stat().st_size > 0
+
+
+def test_kv_bytes_match_formula_and_allocation(tiny_run):
+    _, res = tiny_run
+    for c in res["cells"]:
+        n = c["prompt_tokens"] + res["settings"]["steps"]
+        if c["row"] == "hf":
+            assert c["kv_bytes"] == full_cache_bytes(TINY, n)
+        else:
+            assert c["kv_bytes"] == full_cache_bytes(TINY, TINY.budget + TINY.window)
+            if c["status"] == "ok":  # what OrtGenerator bound as k/v buffers
+                assert c["kv_bytes_measured"] == c["kv_bytes"]
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+@pytest.mark.parametrize("shape", ["student", "llama1b"])
+def test_kv_bytes_agree_with_mla_accounting(row, shape):
+    """rows.Shape.kv_bytes against kvexport.mla.accounting.cache_report, an independent implementation."""
+    from kvexport.mla.accounting import cache_report
+    from kvexport.models.spec import ModelSpec
+
+    s, r = SHAPES[shape], ROWS[row]
+    spec = ModelSpec(model_type="llama", vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
+                     num_layers=s.layers, num_heads=s.heads, num_kv_heads=s.kv_heads, head_dim=s.head_dim,
+                     rms_norm_eps=1e-5, max_position_embeddings=s.max_positions)
+    ctx = 16384
+    rep = cache_report(spec, mla_ranks=[s.mla_rank] if r.mla else None, rope_dim=s.rope_dim if r.mla else None,
+                       context=s.max_positions if (r.mla and not r.press) else ctx,
+                       budget=s.budget if r.press else None, window=s.window if r.press else None,
+                       dtype="float32").to_dict()
+    assert s.kv_bytes(r, ctx) == rep["bytes_per_sequence"]
+    if r.mla:
+        assert rep["per_token_ratio"] == pytest.approx(6.4)
+
+
+def test_mla_budget_goal_is_analytically_reachable():
+    """The ≥50× KV goal at 16k on the student follows from the shapes alone (no run needed)."""
+    s = SHAPES["student"]
+    ratio = s.kv_bytes(ROWS["optimum"], 16384) / s.kv_bytes(ROWS["kvx-mla-snapkv"], 16384)
+    assert ratio == pytest.approx(16384 * 128 / (288 * 20))
+
+
+def test_prompt_tokens_leave_room_for_decoding():
+    s = SHAPES["student"]
+    assert prompt_tokens(s, 2048, 64) == 2048
+    n = prompt_tokens(s, 32768, 64)
+    assert -(-n // s.chunk) * s.chunk + 65 <= s.max_positions
+
+
+def test_quality_lookup_matches_prompt_and_ratio(tmp_path):
+    study = {"settings": {"prompt_len": 512}, "results": {"snapkv": {"0.5": {"agreement": 0.9, "ppl": 3.0},
+                                                                     "0.9": {"agreement": 0.7, "ppl": 5.0}}}}
+    (tmp_path / "study.json").write_text(json.dumps(study))
+    st = quality.load_studies(tmp_path)
+    assert quality.lookup(st, "snapkv", 256, 512)["agreement"] == 0.9  # 1 - 256/512 = 0.5
+    assert quality.lookup(st, "snapkv", 256, 2048) is None  # no study at that prompt length
+    assert quality.lookup(st, "snapkv", 100, 512) is None  # r = 0.80: no ratio within 0.05
+    assert quality.lookup(st, None, None, 512) is None
+
+
+def test_goals_from_synthetic_results():
+    def cell(row, ctx, ms, peak, kv=1000, status="ok"):
+        return {"shape": "student", "row": row, "context": ctx, "status": status, "decode_ms_median": ms,
+                "peak_rss": peak, "kv_bytes": kv, "prompt_tokens": ctx, "prefill_tok_s": 1000.0}
+
+    res = {"shapes": {"student": {}}, "settings": {"contexts": [512, 16384]},
+           "cells": [cell("optimum", 512, 2, 400), cell("optimum", 16384, 20, 4000, kv=10**7),
+                     cell("hf", 512, 5, 500), cell("hf", 16384, 40, 900),
+                     cell("kvx-snapkv", 512, 1.0, 300), cell("kvx-snapkv", 16384, 1.1, 300),
+                     cell("kvx-mla-snapkv", 16384, 1.0, 300, kv=10**5)]}
+    g = {x["goal"]: (x["measured"], x["met"]) for x in report.goals(res)}
+    assert g["student 16k: kvx-snapkv decode ≥5× faster than optimum"] == ("18.2×", "yes")  # 20 / 1.1
+    assert g["student 16k: kvx-snapkv decode ≥10× faster than hf"] == ("36.4×", "yes")
+    assert g["student 16k: kvx-snapkv peak memory ≤ 1/4 of optimum"] == ("1/13.3", "yes")  # 4000 / 300
+    assert g["student: kvx-snapkv decode grows ≤15% 512→16k"] == ("+10%", "yes")
+    assert g["student: hf decode grows with context 512→16k"] == ("+700%", "yes")
+    assert g["student 16k: MLA+budget KV bytes ≥50× smaller than optimum"][1] == "yes"  # 100×

@@ -1,0 +1,53 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Single convert stages on a tiny model: rewrite and distill write the MLA directory they promise."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvexport.convert.config import ConvertConfig
+
+
+@pytest.fixture
+def state(tiny_hf_dir, tmp_path):
+    from kvexport.convert.stages import ConvertState, resolve_settings, stage_load
+
+    data = tmp_path / "data.txt"
+    data.write_text("def add(a, b):\n    return a + b\n\n" * 200)
+    cfg = ConvertConfig(model=str(tiny_hf_dir), mla_rank=16, rope_dim=8, distill_teacher=str(tiny_hf_dir),
+                        distill_data=str(data), distill_tokens=256)
+    cfg, path, spec = resolve_settings(cfg)
+    work = tmp_path / "work"
+    work.mkdir()
+    st = ConvertState(cfg=cfg, model_path=path, work=work, spec=spec)
+    stage_load(st)
+    return st
+
+
+def test_rewrite_then_distill(state):
+    from kvexport.convert.stages import stage_distill, stage_rewrite
+    from kvexport.mla.io import load_mla
+
+    note = stage_rewrite(state)
+    assert "r_kv 16" in note and (state.work / "mla" / "kvexport_mla.json").is_file()
+    before = load_mla(state.work / "mla")
+    ids = torch.arange(3, 40)[None]
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        ref = before(ids, pos)
+    # the saved MLA model is the rewritten decoder
+    with torch.no_grad():
+        torch.testing.assert_close(state.mla_decoder(ids, pos), ref)
+    note = stage_distill(state)
+    assert "tokens from tiny-llama" in note
+    summary = json.loads((state.work / "distill_summary.json").read_text())
+    assert summary["tokens"] >= 256 and summary["steps"] >= 1
+    assert not (state.work / "distill").exists()
+    after = load_mla(state.work / "mla")
+    with torch.no_grad():
+        out = after(ids, pos)
+        torch.testing.assert_close(state.mla_decoder(ids, pos), out)
+    assert not torch.allclose(out, ref)  # the weights were trained
