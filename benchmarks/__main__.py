@@ -53,6 +53,10 @@ def machine_info() -> dict:
             "loadavg_start": list(os.getloadavg())}
 
 
+def _k(c: int) -> str:
+    return f"{c // 1024}k" if c % 1024 == 0 else str(c)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     g = ap.add_mutually_exclusive_group()
@@ -72,7 +76,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--build-only", action="store_true", help="build and cache the models and exports, time nothing")
     ap.add_argument("--rebuild", action="store_true", help="re-export even when a cached export exists")
     ap.add_argument("--cache", help="cache directory for models and exports")
+    ap.add_argument("--render", metavar="RESULTS_JSON", help="only re-render results.md, the goals and the plots "
+                    "from an earlier (possibly partial) results.json into --out")
     a = ap.parse_args(argv)
+    a.contexts_given = a.contexts is not None
     if a.tiny:
         a.shapes, a.contexts, a.steps = a.shapes or "tiny", a.contexts or ",".join(map(str, CONTEXTS_TINY)), a.steps or 8
         a.cell_timeout = a.cell_timeout or 60
@@ -93,10 +100,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
+def render(res: dict, out: Path) -> None:
+    res["goals"] = report.goals(res)
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    (out / "results.md").write_text(report.markdown(res))
+    try:
+        report.plots(res, out)
+    except Exception as e:  # plotting is a convenience; the JSON and markdown are the result
+        print(f"plots failed: {e}")
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.render:
+        render(json.loads(Path(a.render).read_text()), out)
+        return 0
     cache = Path(a.cache) if a.cache else prepare.default_cache()
     t_run = time.time()
 
@@ -155,19 +175,23 @@ def main(argv: list[str] | None = None) -> int:
                 msg = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
                 log(f"  build of {rname}/{sname} failed: {msg}")
                 res["builds"].append({"shape": sname, "row": rname, "error": msg})
+        ctxs = [c for c in a.contexts if a.contexts_given or not shape.max_context or c <= shape.max_context]
+        if len(ctxs) < len(a.contexts):
+            res["notes"].append(f"{sname}: contexts above {_k(shape.max_context)} not run by default (prefill is "
+                                "compute-bound on this shape; --contexts runs them)")
         for rname in [] if a.build_only else rows:
             row = ROWS[rname]
-            ns = [prompt_tokens(shape, ctx, a.steps) for ctx in a.contexts]
+            ns = [prompt_tokens(shape, ctx, a.steps) for ctx in ctxs]
             if rname not in targets:
-                recs = [{"status": "build-failed"} for _ in a.contexts]
+                recs = [{"status": "build-failed"} for _ in ctxs]
             else:
                 spec = {"kind": "hf" if row.kind == "hf" else "kvx", "vocab": shape.vocab, "steps": a.steps,
-                        "threads": a.threads, "cells": list(zip(a.contexts, ns)), **targets[rname]}
+                        "threads": a.threads, "cells": list(zip(ctxs, ns, strict=False)), **targets[rname]}
                 cmd = runner.optimum_cmd(vpy, spec) if row.kind == "optimum" else runner.cell_cmd(spec)
-                log(f"  {sname} {rname}: contexts {', '.join(map(str, a.contexts))}")
-                recs = runner.run_row(cmd, a.contexts, int(a.mem_limit_gb * 2**30), a.cell_timeout,
+                log(f"  {sname} {rname}: contexts {', '.join(map(str, ctxs))}")
+                recs = runner.run_row(cmd, ctxs, int(a.mem_limit_gb * 2**30), a.cell_timeout,
                                       threads=a.threads)
-            for ctx, n, rec in zip(a.contexts, ns, recs):
+            for ctx, n, rec in zip(ctxs, ns, recs, strict=False):
                 cell = {"shape": sname, "row": rname, "context": ctx, "prompt_tokens": n,
                         "kv_bytes": shape.kv_bytes(row, n + a.steps), **runner.summarize(rec)}
                 if cell["status"] == "ok":
@@ -184,13 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     res["bandwidth_end"] = bandwidth.copy_bandwidth()
     res["machine"]["loadavg_end"] = list(os.getloadavg())
     res["wall_s"] = round(time.time() - t_run, 1)
-    res["goals"] = report.goals(res)
-    (out / "results.json").write_text(json.dumps(res, indent=1))
-    (out / "results.md").write_text(report.markdown(res))
-    try:
-        report.plots(res, out)
-    except Exception as e:  # plotting is a convenience; the JSON and markdown are the result
-        log(f"plots failed: {e}")
+    render(res, out)
     log(f"done in {res['wall_s']:.0f} s -> {out}/results.json, results.md")
     return 0
 

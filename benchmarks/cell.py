@@ -126,9 +126,10 @@ def run_kvx(spec: dict):
     def cell(n: int) -> dict:
         log.clear()
         res = gen.generate(prompt_ids(n, spec["vocab"]), max_new_tokens=n_new, track_kept=False)
-        if gen.dynamic:  # one call per token, the first holds the whole prompt
-            prefill_end, t_start = log[0][2], log[0][1]
-            ends = [e for _, _, e in log[1:]]
+        if gen.dynamic:  # one call per prompt chunk (the whole prompt when the export has no chunk), then per token
+            k = len(log) - spec["steps"]  # the last `steps` calls are the decode steps
+            prefill_end, t_start = log[k - 1][2], log[0][1]
+            ends = [e for _, _, e in log[k:]]
         else:
             pre = [i for i, (g, _, _) in enumerate(log) if g == "prefill"]
             t_start, prefill_end = log[0][1], log[pre[-1]][2]
@@ -137,7 +138,7 @@ def run_kvx(spec: dict):
         return {"prefill_s": float(prefill_end - t_start), "decode_ms": (np.diff(ends) * 1e3).tolist(),
                 "tokens": [int(x) for x in res.tokens[0, :16]], "cache_bytes": int(res.cache_bytes),
                 "compactions": int(res.compactions),
-                "prefill_calls": sum(1 for g, _, _ in log if g == "prefill") or 1}
+                "prefill_calls": (len(log) - spec["steps"]) if gen.dynamic else sum(1 for g, _, _ in log if g == "prefill")}
 
     return cell
 

@@ -44,12 +44,11 @@ def prompt_ids(n: int, vocab: int, seed: int = 1234) -> np.ndarray:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
+    import onnxruntime as ort
     import psutil
     import torch
     from optimum.onnxruntime import ORTModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
-
-    import onnxruntime as ort
 
     threads = int(spec.get("threads") or 1)
     torch.set_num_threads(threads)

@@ -119,7 +119,7 @@ def markdown(res: dict) -> str:
                     lines.append(f"| {row} | " + " | ".join(cells) + " |")
             lines.append("")
         lines += ["All figures:", "",
-                  "| row | context | prompt | prefill s | prefill tok/s | decode ms/tok median (mean) | peak MiB | "
+                  "| row | context | prompt | prefill s | prefill tok/s | decode ms/tok median (min, mean) | peak MiB | "
                   "KV bytes | bytes/step | GB/s (% of bw) | accuracy |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for row in res["rows"]:
@@ -135,7 +135,8 @@ def markdown(res: dict) -> str:
                 frac = b.get("fraction_of_bandwidth")
                 lines.append(
                     f"| {row} | {_ctx(c)} | {x['prompt_tokens']} | {x['prefill_s']:.2f} | {x['prefill_tok_s']:.0f} | "
-                    f"{x['decode_ms_median']:.2f} ({x['decode_ms_mean']:.2f}) | {x['peak_rss'] / MIB:.0f} | "
+                    f"{x['decode_ms_median']:.2f} ({x.get('decode_ms_min') or 0:.2f}, {x['decode_ms_mean']:.2f}) | "
+                    f"{x['peak_rss'] / MIB:.0f} | "
                     f"{_bytes(x['kv_bytes'])} | {_bytes(b.get('bytes_per_step'))} | "
                     f"{b.get('achieved_gbps', 0):.1f} ({100 * frac:.0f}%) | {_quality(x)} |")
         lines.append("")
@@ -232,7 +233,7 @@ def plots(res: dict, out: Path) -> list[Path]:
     for key, fname, ylabel, scale in (("decode_ms_median", "decode_ms.png", "decode ms/token (median)", 1.0),
                                       ("peak_rss", "peak_memory.png", "peak process RSS (MiB)", 1 / MIB)):
         fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.2), squeeze=False)
-        for ax, sh in zip(axes[0], shapes):
+        for ax, sh in zip(axes[0], shapes, strict=False):
             for row in res["rows"]:
                 pts = [(c["context"], c[key] * scale) for c in res["cells"]
                        if c["shape"] == sh and c["row"] == row and _ok(c)]

@@ -78,6 +78,7 @@ class Shape:
     mla_rank: int = 128
     rope_dim: int = 32
     source: str | None = None  # a local HF directory; None = random weights generated from the fields
+    max_context: int | None = None  # the full run's largest context column on this shape (prefill time)
     tie: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -111,8 +112,10 @@ SHAPES: dict[str, Shape] = {
                      vocab=4096, max_positions=32768, mla_rank=12, rope_dim=8, source="models/kvx-student"),
     # Llama-3.2-1B's per-layer shape (hidden 2048, 32 heads, 8 KV heads of 64, MLP 8192), 2 layers, a 32k
     # vocabulary (1B's 128k vocabulary would make the LM head most of a step). r_kv 128 + d_rope 32 -> 6.4×.
+    # Prefill costs ~0.5 GFLOP per token (2 × 250M multiply-adds), whatever the cache: 16k tokens are ~8 TFLOP,
+    # minutes per row on a shared 2-core CPU, so the default columns stop at 8k (--contexts overrides).
     "llama1b": Shape("llama1b", hidden=2048, layers=2, heads=32, kv_heads=8, head_dim=64, intermediate=8192,
-                     vocab=32000, max_positions=32768, mla_rank=128, rope_dim=32),
+                     vocab=32000, max_positions=32768, mla_rank=128, rope_dim=32, max_context=8192),
     # CI smoke test: tiny, fast to export. 2·2·16 = 64 elements per token and layer; 8 + 2 = 10 -> 6.4×.
     "tiny": Shape("tiny", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256,
                   max_positions=1024, budget=96, window=8, chunk=32, mla_rank=8, rope_dim=2),

@@ -121,6 +121,7 @@ def summarize(rec: dict) -> dict:
     rec["prefill_s"] = r["prefill_s"]
     rec["decode_ms_median"] = statistics.median(d) if d else None
     rec["decode_ms_mean"] = statistics.fmean(d) if d else None
+    rec["decode_ms_min"] = min(d) if d else None
     rec["decode_ms_p90"] = sorted(d)[int(0.9 * (len(d) - 1))] if d else None
     rec["decode_steps"] = len(d)
     rec["peak_rss"] = int(r.get("peak_rss") or 0) or rec["watch_peak_rss"]

@@ -84,19 +84,29 @@ def profile_cmd(
                                            "(default: the conversion's)."),
     decode_steps: int = typer.Option(32, "--decode-steps", help="Timed decode steps per context."),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="Profile the full-cache baseline too."),
-    report: bool = typer.Option(True, "--report/--no-report", help="Regenerate the report afterwards."),
+    report: bool = typer.Option(True, "--report/--no-report", help="Regenerate the report afterwards "
+                                "(convert directories)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the JSON here instead of DIR/profile.json "
+                                       "(needed for a bare export directory, whose manifest forbids new files)."),
 ) -> None:
     """Prefill/decode latency, tokens/s, KV bytes and memory per context length -> DIR/profile.json."""
     from rich.console import Console
     from rich.table import Table
 
     from kvexport.convert.config import parse_contexts
-    from kvexport.profile.run import profile_dir
+    from kvexport.convert.layout import read_convert_json
+    from kvexport.errors import BadUsage
+    from kvexport.profile.run import profile_dir, profile_target
 
     console = Console(stderr=True)
     ctx = parse_contexts(contexts, "--contexts") if contexts else None
+    target = out or profile_target(directory)
+    if target is None:
+        raise BadUsage(f"{directory} is an export directory whose manifest does not allow a profile.json; "
+                       "give --out FILE")
     with console.status(f"profiling {directory} on {backend} ..."):
-        prof = profile_dir(directory, backend=backend, contexts=ctx, decode_steps=decode_steps, baseline=baseline)
+        prof = profile_dir(directory, backend=backend, contexts=ctx, decode_steps=decode_steps, baseline=baseline,
+                           write=target)
     t = Table(title=f"{directory} ({backend})")
     t.add_column("variant", no_wrap=True)
     for h in ("context", "TTFT s", "decode p50 ms", "p90 ms", "tok/s", "KV KiB", "peak RSS MiB"):
@@ -109,11 +119,12 @@ def profile_cmd(
     Console().print(t)
     for s in prof.get("skipped_contexts") or []:
         console.print(f"[yellow]skipped context {s['context']}: {s['reason']}[/]", highlight=False)
+    report = report and out is None and read_convert_json(directory) is not None
     if report:
         from kvexport.report import write_report
 
         write_report(directory)
-    console.print(f"wrote {Path(directory) / 'profile.json'}" + (" and the report" if report else ""))
+    console.print(f"wrote {target}" + (" and the report" if report else ""))
 
 
 @app.command("report")

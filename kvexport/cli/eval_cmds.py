@@ -158,7 +158,8 @@ def mla_cmd(
         "", help="Comma-separated teacher model directories (same tokenizer). The student itself is always the first "
         "teacher. Default: the bundled kvx-teacher-2x and kvx-teacher-4x."
     ),
-    ratios: str = typer.Option("1.9,3.6,6.4,10.6,12.8", help="Target per-token KV-cache compression ratios (> 1)."),
+    ratios: str = typer.Option("1.882,3.556,6.4,10.667,12.8", help="Target per-token KV-cache compression ratios (> 1); "
+                               "the paper's 1.9x, 3.6x, 6.4x, 10.6x, 12.8x."),
     rope_dim: Optional[int] = typer.Option(None, help="d_rope of the shared RoPE key. Default: original cache / 32."),
     budgets: Optional[str] = typer.Option(None, help="Two (or more) distillation token budgets, comma-separated. "
                                           f"Default {FULL_DISTILL['budgets']} (--quick: {QUICK_DISTILL['budgets']})."),
@@ -212,7 +213,7 @@ def mla_cmd(
 def combo_cmd(
     model: Optional[str] = typer.Argument(None, help="HF model directory. Default: the bundled reference student."),
     press: str = typer.Option("expected_attention", help="Eviction press used alone and on top of MLA."),
-    targets: str = typer.Option("3.6,6.4,12.8", help="Memory targets: full context cache / compressed (> 1)."),
+    targets: str = typer.Option("3.556,6.4,12.8", help="Memory targets: full context cache / compressed (> 1)."),
     rope_dim: Optional[int] = typer.Option(None, help="d_rope of the MLA students. Default: original cache / 32."),
     tokens: Optional[int] = typer.Option(None, help="Self-distillation tokens per MLA student. Default 262144 "
                                          "(--quick: 32768)."),

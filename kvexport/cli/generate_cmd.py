@@ -30,7 +30,7 @@ def generate_cmd(
     """Generate text greedily with a static-capacity KV cache (capacity = budget + window per layer)."""
     from rich.console import Console
 
-    from kvexport.errors import BadModel, BadUsage
+    from kvexport.errors import BadUsage
     from kvexport.generation import generate
     from kvexport.models.loading import load_decoder, load_tokenizer
 
@@ -47,8 +47,11 @@ def generate_cmd(
 
         return generate_from_export(Path(model), prompts, max_new_tokens)
     model_path = resolve_model(model)
-    if not Path(model_path).is_dir():  # before the tokenizer check, which would call it a tokenizer problem
-        raise BadModel(f"model directory {model_path!r} does not exist (expected config.json + *.safetensors)")
+    from kvexport.mla.io import is_mla_dir
+    from kvexport.models.loading import check_model_dir
+
+    if not is_mla_dir(model_path):  # config and weights first: the tokenizer would blame itself for a bad config
+        check_model_dir(model_path)
     p = build_press(press, budget, ratio)
     tok = load_tokenizer(model_path)
     ids, mask = encode_prompts(tok, prompts)

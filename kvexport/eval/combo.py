@@ -24,7 +24,7 @@ from pathlib import Path
 from kvexport.errors import BadUsage
 
 #: memory targets = the MLA study's middle and extreme points
-DEFAULT_TARGETS = (3.6, 6.4, 12.8)
+DEFAULT_TARGETS = (3.556, 6.4, 12.8)
 
 
 def context_elements(spec, per_token_layer: int, kept: int) -> int:
@@ -82,7 +82,7 @@ def combo_study(model_path: str, taskset, press: str = "expected_attention", tar
     orig = original_elements(spec)
     full_mem = context_elements(spec, orig, P)
     # MLA students: one per target, plus the milder ratios used under eviction
-    mla_points = sorted({1.9, *targets})
+    mla_points = sorted({1.882, *targets})
     plan = {p["target"]: p for p in ranks_for_ratios(spec, mla_points, rope_dim)}
     ids = train_tokens(taskset.tok, ds.budgets[-1] + ds.seq_len, seed=ds.seed)
     mla_dirs = {x: distilled_students(model_path, model_path, p["kv_rank"], p["rope_dim"], ds, ids, cache_dir, log)

@@ -31,8 +31,9 @@ import torch
 
 from kvexport.errors import BadUsage
 
-#: X-EcoMLA's compression points for Llama-3.2-1B (r_kv 512, 256, 128, 64, 48 with d_rope 32)
-PAPER_RATIOS = (1.9, 3.6, 6.4, 10.6, 12.8)
+#: X-EcoMLA's compression points for Llama-3.2-1B (r_kv 512, 256, 128, 64, 48 with d_rope 32): 1024 / (r + 32),
+#: shown in the paper as 1.9x, 3.6x, 6.4x, 10.6x, 12.8x
+PAPER_RATIOS = (1.882, 3.556, 6.4, 10.667, 12.8)
 DEFAULT_CACHE = Path(tempfile.gettempdir()) / "kvexport_eval_cache"
 
 

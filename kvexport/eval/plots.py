@@ -47,7 +47,6 @@ def plot_press_study(result: dict, path) -> None:
             ax.plot([float(r) for r in rs], [by_ratio[r][k] for r in rs], label=press, **style)
         if k == "ppl":
             ax.axhline(result["full_cache"]["ppl"], color="grey", lw=0.8, ls="-.", label="full cache")
-            ax.set_yscale("log")
         ax.set_xlabel("compression ratio (fraction of prompt tokens evicted)")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)

@@ -144,9 +144,23 @@ def _onnx_runners(d: Path, shape: CacheShape, with_baseline: bool, backend: str)
     return runners
 
 
+def profile_target(d: str | Path) -> Path | None:
+    """Where ``kvexport profile d`` writes profile.json by default: DIR/profile.json for a convert directory or
+    an export whose manifest allows it; None for an export that would see it as a foreign file."""
+    d = Path(d)
+    if layout.read_convert_json(d) is not None:
+        return d / layout.PROFILE_JSON
+    man = layout.read_manifest(d)
+    if man is not None and layout.PROFILE_JSON not in (man.get("reports") or []):
+        return None
+    return d / layout.PROFILE_JSON
+
+
 def profile_dir(d: str | Path, backend: str = "onnxruntime", contexts: list[int] | None = None,
-                decode_steps: int = 16, baseline: bool = True, seed: int = 0, write: bool = True) -> dict[str, Any]:
-    """Profile DIR (see the module docstring); -> the profile dictionary, also written to DIR/profile.json."""
+                decode_steps: int = 32, baseline: bool = True, seed: int = 0, write: bool | str | Path = True
+                ) -> dict[str, Any]:
+    """Profile DIR (see the module docstring); -> the profile dictionary. ``write``: True = DIR/profile.json,
+    a path = there, False = nowhere."""
     d = Path(d)
     if backend not in BACKENDS:
         raise BadUsage(f"--backend {backend!r} is not one of: {', '.join(BACKENDS)}")
@@ -195,10 +209,11 @@ def profile_dir(d: str | Path, backend: str = "onnxruntime", contexts: list[int]
         "seconds": time.perf_counter() - t0,
     }
     if write:
-        tmp = d / (layout.PROFILE_JSON + ".tmp")
+        target = d / layout.PROFILE_JSON if write is True else Path(write)
+        tmp = target.with_name(target.name + ".tmp")
         tmp.write_text(json.dumps(result, indent=2))
-        tmp.replace(d / layout.PROFILE_JSON)
+        tmp.replace(target)
     return result
 
 
-__all__ = ["profile_dir", "dir_settings", "cache_shape_of", "model_spec", "BACKENDS"]
+__all__ = ["profile_dir", "profile_target", "dir_settings", "cache_shape_of", "model_spec", "BACKENDS"]

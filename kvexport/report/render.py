@@ -212,7 +212,7 @@ def build_sections(rep: dict[str, Any], plot_stems: dict[str, str]) -> list[Sect
             s.blocks.append(("img", stem, caption))
         secs.append(s)
 
-    stages = conv.get("stages") or []
+    stages = [r for r in conv.get("stages") or [] if r.get("status") != "pending"]
     if stages:
         s = Section("Stages", "stages")
         s.blocks.append(Table(["stage", "status", "wall time (s)", "note"],

@@ -169,6 +169,30 @@ def test_profile_a_plain_export(converted):
 
     out, _ = converted
     prof = profile_dir(out / "onnx", contexts=[24], decode_steps=2, write=False)
+    # the export's manifest forbids new files there: the CLI asks for --out, and then writes there only
+    assert main(["profile", str(out / "onnx"), "--contexts", "24"]) == 2
+    target = out.parent / "plain-profile.json"
+    assert main(["profile", str(out / "onnx"), "--contexts", "24", "--decode-steps", "2", "--out", str(target)]) == 0
+    assert json.loads(target.read_text())["contexts"] == [24]
+    assert not (out / "onnx" / "profile.json").exists()
+    from kvexport.export.manifest import verify_manifest
+
+    verify_manifest(out / "onnx")
     assert list(prof["variants"]) == ["converted"]
     assert prof["cache"]["shape"]["mla_ranks"] == [16, 16] and prof["cache"]["shape"]["budget"] == 16
     assert prof["variants"]["converted"]["contexts"][0]["kv_bytes"] == 20 * 2 * (16 + 8) * 4
+
+
+@pytest.mark.slow
+def test_convert_json_reproduces_the_export(converted, tmp_path):
+    """``kvexport convert --config DIR/convert.json --out DIR2`` writes byte-identical graphs."""
+    out, _ = converted
+    again = tmp_path / "again"
+    assert main(["convert", "--config", str(out / "convert.json"), "--out", str(again), "--no-validate",
+                 "--no-profile"]) == 0
+    for sub in ("onnx", "baseline"):
+        a = json.loads((out / sub / "manifest.json").read_text())["files"]
+        b = json.loads((again / sub / "manifest.json").read_text())["files"]
+        assert a == b
+    assert (json.loads((again / "convert.json").read_text())["settings"]
+            == {**json.loads((out / "convert.json").read_text())["settings"], "validate": False, "profile": False})

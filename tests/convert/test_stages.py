@@ -51,3 +51,22 @@ def test_rewrite_then_distill(state):
         out = after(ids, pos)
         torch.testing.assert_close(state.mla_decoder(ids, pos), out)
     assert not torch.allclose(out, ref)  # the weights were trained
+
+
+def test_energy_rank_per_layer(tiny_hf_dir, tmp_path):
+    """--mla-energy δ: per-layer ranks from the SVD energy, recorded in convert.json's notes and DIR/mla."""
+    from kvexport.convert.stages import ConvertState, resolve_settings, stage_load, stage_rewrite
+    from kvexport.mla.io import read_mla_config
+    from kvexport.profile.run import cache_shape_of
+
+    cfg, path, spec = resolve_settings(ConvertConfig(model=str(tiny_hf_dir), mla_energy=0.5))
+    assert cfg.rope_dim == 4 and cfg.mla_rank is None  # head 16 -> d_rope 4
+    work = tmp_path / "w"
+    work.mkdir()
+    st = ConvertState(cfg=cfg, model_path=path, work=work, spec=spec)
+    stage_load(st)
+    stage_rewrite(st)
+    ranks = [layer["kv_rank"] for layer in read_mla_config(work / "mla")["layers"]]
+    assert st.notes["mla_ranks"] == ranks and all(r % 8 == 0 for r in ranks)
+    shape = cache_shape_of(work, cfg.to_dict(), spec)
+    assert shape.bytes_per_token() == sum(r + 4 for r in ranks) * 4

@@ -39,7 +39,7 @@ def make_tokenizer(out: Path) -> None:
     fast.save_pretrained(str(out))
 
 
-def make_model_dir(out: Path, vocab: int = VOCAB, max_positions: int = 256, seed: int = 0) -> Path:
+def make_model_dir(out: Path, vocab: int = VOCAB, max_positions: int = 32768, seed: int = 0) -> Path:
     from kvexport.models.tiny import tiny_model
 
     tiny_model("llama", seed=seed, vocab_size=vocab, max_positions=max_positions, head_dim=16,
@@ -50,7 +50,7 @@ def make_model_dir(out: Path, vocab: int = VOCAB, max_positions: int = 256, seed
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
-    """A tiny random Llama (2 layers, 4 heads / 2 KV heads, head_dim 16, 256 positions) with a tokenizer."""
+    """A tiny random Llama (2 layers, 4 heads / 2 KV heads, head_dim 16, 32768 positions) with a tokenizer."""
     return make_model_dir(tmp_path_factory.mktemp("model") / "tiny")
 
 

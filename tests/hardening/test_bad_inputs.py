@@ -165,7 +165,7 @@ CASES: list[tuple[str, Callable[[Ctx], list], int, tuple[str, ...]]] = [
     ("export-unexportable-press", lambda c: ["export", c.model, "--out", c.tmp / "o", "--press", "random",
                                              "--budget", "8"], 2, ("cannot be exported",)),
     ("export-budget-beyond-positions", lambda c: ["export", c.model, "--out", c.tmp / "o", "--press", "knorm",
-                                                  "--budget", "999"], 2, ("position range",)),
+                                                  "--budget", "40000"], 2, ("position range",)),
     ("export-window-zero", lambda c: ["export", c.model, "--out", c.tmp / "o", "--press", "knorm", "--budget", "8",
                                       "--window", "0"], 2, ("--window",)),
     ("export-ops-unknown", lambda c: ["export", c.model, "--out", c.tmp / "o", "--ops", "weird"], 2,
