@@ -70,12 +70,12 @@ def export_all(shape: str, layers: int, work: Path) -> dict[str, Path]:
     return out
 
 
-def peak_rss_mb() -> float:
+def peak_rss_mb(field: str = "VmHWM") -> float:
     """This process's peak resident set (VmHWM; unlike ru_maxrss it does not inherit the parent's peak
-    across fork + exec)."""
+    across fork + exec), or its current one with ``field="VmRSS"``."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     import resource
 
@@ -89,12 +89,13 @@ def worker(directory: str, context: int, steps: int, threads: int) -> None:
     from kvexport.export.runtime import OrtGenerator
 
     gen = OrtGenerator(directory, threads=threads)
+    loaded = peak_rss_mb("VmRSS")  # sessions + weights + (static) cache buffers
     V = int(gen.settings["vocab_size"])
     ids = np.random.default_rng(0).integers(3, V, (gen.batch, context))
     res = gen.generate(ids, None, steps + 1, track_kept=False)
     dec = sorted(res.decode_seconds)
     print(json.dumps({"decode_ms": 1000 * dec[len(dec) // 2], "prefill_s": res.prefill_seconds,
-                      "peak_rss_mb": peak_rss_mb(),
+                      "peak_rss_mb": peak_rss_mb(), "loaded_rss_mb": loaded,
                       "cache_mb": res.cache_bytes / 2**20, "compactions": res.compactions}))
 
 
@@ -106,6 +107,7 @@ def synthetic_worker(directory: str, context: int, steps: int, threads: int) -> 
     from kvexport.export.runtime import OrtGenerator
 
     gen = OrtGenerator(directory, threads=threads)
+    loaded = peak_rss_mb("VmRSS")
     rng = np.random.default_rng(0)
     B, V = gen.batch, int(gen.settings["vocab_size"])
     times = []
@@ -160,7 +162,7 @@ def synthetic_worker(directory: str, context: int, steps: int, threads: int) -> 
         cache = gen.cache_bytes
     times.sort()
     print(json.dumps({"decode_ms": 1000 * times[len(times) // 2], "prefill_s": float("nan"),
-                      "peak_rss_mb": peak_rss_mb(),
+                      "peak_rss_mb": peak_rss_mb(), "loaded_rss_mb": loaded,
                       "cache_mb": cache / 2**20, "compactions": compactions}))
 
 
@@ -206,15 +208,17 @@ def main() -> None:
                 r = measure(dirs[v], ctx, a.steps, a.threads, a.timeout, shape in a.synthetic_shapes.split(","))
                 rows.append({"shape": shape, "variant": v, "context": ctx, **r})
                 print(f"  {shape:8} {v:9} {ctx:6} {r}", file=sys.stderr, flush=True)
-    print("| shape | export | context | decode ms/token | prefill s | peak RSS MiB | KV cache MiB | compactions |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| shape | export | context | decode ms/token | prefill s | peak RSS MiB | RSS after load MiB | "
+          "growth MiB | KV cache MiB | compactions |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['shape']} | {r['variant']} | {r['context']} | {r['error']} | | | | |")
+            print(f"| {r['shape']} | {r['variant']} | {r['context']} | {r['error']} | | | | | | |")
             continue
         pre = "synthetic" if r["prefill_s"] != r["prefill_s"] else f"{r['prefill_s']:.2f}"
         print(f"| {r['shape']} | {r['variant']} | {r['context']} | {r['decode_ms']:.2f} | {pre} | "
-              f"{r['peak_rss_mb']:.0f} | {r['cache_mb']:.2f} | {r['compactions']} |")
+              f"{r['peak_rss_mb']:.0f} | {r['loaded_rss_mb']:.0f} | {r['peak_rss_mb'] - r['loaded_rss_mb']:.0f} | "
+              f"{r['cache_mb']:.2f} | {r['compactions']} |")
 
 
 if __name__ == "__main__":

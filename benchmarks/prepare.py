@@ -25,6 +25,9 @@ def default_cache() -> Path:
     return Path(os.environ.get("KVEXPORT_BENCH_CACHE", Path.home() / ".cache" / "kvexport" / "bench"))
 
 
+RUN_ONLY_FIELDS = ("max_context",)  # Shape fields that change what is timed, not what is built
+
+
 def _key(d: dict) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
@@ -34,7 +37,7 @@ def model_dir(shape: Shape, cache: Path) -> Path:
     if shape.source is not None:
         p = Path(shape.source)
         return p if p.is_absolute() else REPO / p
-    out = cache / "models" / f"{shape.name}-{_key(shape.to_dict())}"
+    out = cache / "models" / f"{shape.name}-{_key({k: v for k, v in shape.to_dict().items() if k not in RUN_ONLY_FIELDS})}"
     if (out / "config.json").is_file():
         return out
     import torch
@@ -90,7 +93,8 @@ def kvx_export(row: Row, shape: Shape, cache: Path, log=print, rebuild: bool = F
     when cached). A cached export whose manifest no longer verifies is rebuilt."""
     kw = row.export_kwargs(shape)
     src = model_dir(shape, cache)
-    out = cache / "exports" / f"{shape.name}-{row.name}-{_key({'kw': kw, 'src': str(src), 'shape': shape.to_dict()})}"
+    sd = {k: v for k, v in shape.to_dict().items() if k not in RUN_ONLY_FIELDS}
+    out = cache / "exports" / f"{shape.name}-{row.name}-{_key({'kw': kw, 'src': str(src), 'shape': sd})}"
     if not rebuild and (out / "manifest.json").is_file():
         try:
             from kvexport.export.exporter import KIND

@@ -60,8 +60,10 @@ def main(argv: list[str] | None = None) -> int:
             return cause.exit_code
         print("error: interrupted", file=sys.stderr)
         return 130
-    except click.ClickException as e:
-        e.show()
+    except click.ClickException as e:  # unknown option, missing argument, bad value: bad usage, one line
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        print(f"error: {e.format_message()}{hint}", file=sys.stderr)
         return 2
     except KVExportError as e:
         if debug or isinstance(e, InternalError):

@@ -19,7 +19,7 @@ app.add_typer(eval_app, name="eval")
 #: --quick settings of each study (sized for < 15 min on 2 shared CPU cores with the bundled student)
 QUICK_PRESSES = {"windows": 8, "prompt_len": 128, "future_len": 16}
 QUICK_TASKS = {"context_len": 160, "future_len": 16, "n_next": 8, "n_recall": 16}
-QUICK_DISTILL = {"budgets": "8192,32768", "batch_size": 4}
+QUICK_DISTILL = {"budgets": "4096,16384", "batch_size": 4}
 FULL_DISTILL = {"budgets": "65536,262144", "batch_size": 8}
 OUT_HELP = "Output directory: writes <study>_<model>[_quick].json and .png (combo: .md) there."
 
@@ -190,6 +190,10 @@ def mla_cmd(
     if not given:
         given = [str(MODELS_DIR / n) for n in ("kvx-teacher-2x", "kvx-teacher-4x")]
     teacher_paths = [student_path] + [t for t in given if Path(t).resolve() != Path(student_path).resolve()]
+    from kvexport.models.loading import check_model_dir
+
+    for t in teacher_paths:  # fail before any distillation, not halfway through
+        check_model_dir(t)
     preset = QUICK_DISTILL if quick else FULL_DISTILL
     ds = DistillSettings(budgets=_ints(budgets or preset["budgets"], "--budgets"), seq_len=seq_len,
                          batch_size=batch_size or preset["batch_size"], lr=lr)

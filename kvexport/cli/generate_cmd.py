@@ -32,7 +32,8 @@ def generate_cmd(
 
     from kvexport.errors import BadUsage
     from kvexport.generation import generate
-    from kvexport.models.loading import load_decoder, load_tokenizer
+    from kvexport.mla.io import is_mla_dir, verify_mla_files
+    from kvexport.models.loading import check_model_dir, load_decoder, load_tokenizer
 
     console = Console()
     if ratio is not None:
@@ -42,15 +43,15 @@ def generate_cmd(
     prompts = list(prompt)
     if prompt_file is not None:
         prompts.append(read_prompt_file(prompt_file))
-    if model is not None and (Path(model) / "manifest.json").is_file():  # an ONNX export directory
+    if model is not None and not is_mla_dir(model) and (Path(model) / "manifest.json").is_file():  # an ONNX export
         from kvexport.cli.export_cmds import generate_from_export
 
         return generate_from_export(Path(model), prompts, max_new_tokens)
     model_path = resolve_model(model)
-    from kvexport.mla.io import is_mla_dir
-    from kvexport.models.loading import check_model_dir
-
-    if not is_mla_dir(model_path):  # config and weights first: the tokenizer would blame itself for a bad config
+    # config and weights first: the tokenizer would blame itself for a bad config or a damaged directory
+    if is_mla_dir(model_path):
+        verify_mla_files(model_path)
+    else:
         check_model_dir(model_path)
     p = build_press(press, budget, ratio)
     tok = load_tokenizer(model_path)

@@ -194,7 +194,7 @@ def distill_cmd(
     distill ...` runs the same command data-parallel over processes and machines."""
     from kvexport.errors import BadModel, BadUsage
     from kvexport.mla.distill import DistillConfig, check_out_dir, check_teacher, distill, read_tokens
-    from kvexport.mla.io import is_mla_dir, load_mla
+    from kvexport.mla.io import is_mla_dir, load_mla, verify_mla_files
     from kvexport.models.loading import load_decoder, load_tokenizer
 
     cfg = DistillConfig(tokens=tokens, seq_len=seq_len, batch_size=batch_size, lr=lr, ce_weight=ce_weight,
@@ -206,6 +206,8 @@ def distill_cmd(
     if data.stat().st_size == 0:
         raise BadUsage(f"data file {data} is empty")
     mla_dir = is_mla_dir(student)
+    if mla_dir:
+        verify_mla_files(student)  # before the tokenizer is read from it
     if mla_dir and (mla_rank is not None or mla_energy is not None):
         raise BadUsage(f"{student} is already an MLA model; drop --mla-rank/--mla-energy")
     settings = None

@@ -12,7 +12,7 @@ in a wrapper) to register the model. Example, X-EcoMLA's nine tasks on a convert
 
 Model arguments: ``pretrained`` (directory), ``press`` / ``ratio`` / ``budget`` (eviction of the context after
 prefill; none by default), ``max_length`` (default the model's max positions, capped at 4096), ``dtype``
-(fp32/fp16/bf16), ``device``. Semantics per request type:
+(fp32/fp16/bf16), ``device`` (default cuda when available, else cpu; also the fallback for an unavailable cuda). Semantics per request type:
 
 - ``loglikelihood(context, continuation)``: context tokens are prefilled (compressed by the press, once), the
   continuation is fed teacher-forced; returns (Σ log p(continuation), whether every token was the argmax).
@@ -39,8 +39,10 @@ class KVExportLM(LM):
 
     def __init__(self, pretrained: str, press: str | None = None, ratio: float | None = None,
                  budget: int | None = None, window: int = 32, max_length: int | None = None, dtype: str = "fp32",
-                 device: str = "cpu", batch_size: int | str = 1, max_gen_toks: int = 256, **kwargs):
+                 device: str | None = None, batch_size: int | str = 1, max_gen_toks: int = 256, **kwargs):
         super().__init__()
+        if not device or (str(device).startswith("cuda") and not torch.cuda.is_available()):
+            device = "cuda" if torch.cuda.is_available() else "cpu"  # lm-eval's CLI asks for cuda by default
         from kvexport.cli.common import build_press
         from kvexport.models.loading import load_decoder, load_tokenizer
 

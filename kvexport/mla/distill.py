@@ -284,7 +284,8 @@ def distill(student, teacher, ids: torch.Tensor, out: str | Path, cfg: DistillCo
         tmp = Path(tempfile.mkdtemp(prefix=".model.", dir=out))
         try:
             save_mla(final, tmp / "m", tokenizer_dir=tokenizer_dir)
-            for f in (tmp / "m").iterdir():
+            # manifest.json last: until it is in place, a half-replaced model fails load_mla's hash check
+            for f in sorted((tmp / "m").iterdir(), key=lambda f: f.name == "manifest.json"):
                 f.replace(out / f.name)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -6,9 +6,12 @@ Layout::
     kvexport_mla.json    format, version, rewrite settings, per-layer plans, ModelSpec, the original HF config
     model.safetensors    the Decoder's state dict (tied embeddings stored once)
     tokenizer*.json ...  copied from the source model directory when it has one
+    manifest.json        sha256 of every file above (kvexport.export.manifest, kind "mla-model")
 
 Writes go to a temporary sibling directory that is renamed into place at the end, so a failure never
-leaves a half-written model.
+leaves a half-written model. :func:`load_mla` checks the files against the manifest first and refuses a
+missing, altered or foreign file (BadArtifact); a distill ``--out`` may also hold its working files
+(checkpoints/, the log and the summary).
 """
 
 from __future__ import annotations
@@ -30,6 +33,32 @@ FORMAT = "kvexport-mla"
 VERSION = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+
+
+MANIFEST_KIND = "mla-model"
+#: what ``kvexport distill`` keeps beside the model in its --out (a resumable working directory)
+WORKING_FILES = ("checkpoints", "distill_log.jsonl", "distill_summary.json")
+
+
+def verify_mla_files(path: str | Path) -> None:
+    """BadArtifact naming the first missing, altered or foreign file of an MLA directory (its manifest.json)."""
+    from kvexport.export.manifest import MANIFEST, read_manifest, sha256_file
+
+    p = Path(path)
+    doc = read_manifest(p)  # BadArtifact when absent or not JSON
+    if doc.get("kind") != MANIFEST_KIND:
+        raise BadArtifact(f"{p} is a {doc.get('kind')!r} artifact, expected {MANIFEST_KIND!r}")
+    files: dict[str, str] = doc["files"]
+    for rel, digest in sorted(files.items()):
+        f = p / rel
+        if not f.is_file():
+            raise BadArtifact(f"{p} is missing {rel} (listed in {MANIFEST})")
+        if sha256_file(f) != digest:
+            raise BadArtifact(f"{p}/{rel} was altered (sha256 differs from {MANIFEST})")
+    for f in sorted(p.rglob("*")):
+        rel = f.relative_to(p).as_posix()
+        if f.is_file() and rel != MANIFEST and rel not in files and rel.split("/")[0] not in WORKING_FILES:
+            raise BadArtifact(f"{p}/{rel} is a foreign file ({MANIFEST} does not list it)")
 
 
 def is_mla_dir(path: str | Path) -> bool:
@@ -72,6 +101,10 @@ def save_mla(dec, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
             for name in TOKENIZER_FILES:
                 if (Path(src) / name).is_file():
                     shutil.copy2(Path(src) / name, tmp / name)
+        from kvexport.export.manifest import write_manifest
+
+        write_manifest(tmp, MANIFEST_KIND, {"mla": cfg["settings"], "kv_ranks": [lp["kv_rank"] for lp in cfg["layers"]],
+                                            "dtype": cfg["dtype"]})
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -122,6 +155,7 @@ def load_mla(path: str | Path, dtype: str | torch.dtype | None = None, device: s
 
     p = Path(path)
     cfg = read_mla_config(p)
+    verify_mla_files(p)
     dec = build_mla_decoder(cfg)
     weights = p / "model.safetensors"
     if not weights.is_file():

@@ -53,18 +53,16 @@ def _axes(title: str, ylabel: str, logy: bool = False):
 
 
 def decode_latency_plot(profile: dict[str, Any]) -> bytes | None:
-    """Per-token decode latency p50 (line) with the p50–p90 band, per variant."""
+    """Per-token decode latency: p50 (solid) and p90 (dotted), per variant."""
     vs = _variants(profile)
     if not vs:
         return None
-    fig, ax = _axes("Decode latency per token", "ms / token (p50, band to p90)")
+    fig, ax = _axes("Decode latency per token", "ms / token (p50 solid, p90 dotted)")
     for name, rows in vs.items():
         x = [r["context"] for r in rows]
-        p50 = [r["decode_ms_p50"] for r in rows]
-        p90 = [r["decode_ms_p90"] for r in rows]
         c = COLORS.get(name)
-        ax.plot(x, p50, "o-", color=c, label=LABELS.get(name, name))
-        ax.fill_between(x, p50, p90, color=c, alpha=0.2)
+        ax.plot(x, [r["decode_ms_p50"] for r in rows], "o-", color=c, label=f"{LABELS.get(name, name)}, p50")
+        ax.plot(x, [r["decode_ms_p90"] for r in rows], ":", color=c, alpha=0.6, linewidth=1, label=f"{name}, p90")
     ax.set_ylim(bottom=0)
     ax.legend()
     return _png(fig)
@@ -136,7 +134,7 @@ def throughput_plot(profile: dict[str, Any]) -> bytes | None:
     vs = _variants(profile)
     if not vs:
         return None
-    fig, ax = _axes("Decode throughput", "tokens / s")
+    fig, ax = _axes("Decode throughput", "tokens / s (1 / median step)")
     for name, rows in vs.items():
         ax.plot([r["context"] for r in rows], [r["tokens_per_s"] or 0 for r in rows], "o-",
                 color=COLORS.get(name), label=LABELS.get(name, name))

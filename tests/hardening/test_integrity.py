@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import kvexport
+from kvexport.errors import BadArtifact
 from kvexport.export.manifest import verify_manifest
 from tests.hardening.conftest import copy_of, run_cli
 
@@ -87,10 +88,56 @@ def test_profile_keeps_export_verifiable(export_dir, tmp_path, capsys):
     verify_manifest(d)
 
 
-@pytest.mark.xfail(reason="kvexport rewrite writes kvexport_mla.json but no sha256 manifest (reported: mla/io.py)",
-                   strict=False)
 def test_mla_dir_carries_manifest(mla_dir):
-    verify_manifest(mla_dir)
+    m = verify_manifest(mla_dir, "mla-model")
+    assert set(m["files"]) >= {"kvexport_mla.json", "model.safetensors", "tokenizer.json"}
+    assert m["settings"]["kv_ranks"] == [16, 16]
+
+
+def _flip_weights(d: Path) -> None:
+    f = d / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-5] ^= 1  # a bit of the last tensor: the file still loads, with a wrong weight
+    f.write_bytes(bytes(data))
+
+
+MLA_DAMAGE = {
+    "altered": (_flip_weights, "model.safetensors was altered"),
+    "missing": (lambda d: (d / "tokenizer.json").unlink(), "missing tokenizer.json"),
+    "foreign": (lambda d: (d / "extra.safetensors").write_bytes(b"x"), "extra.safetensors is a foreign file"),
+    "no-manifest": (lambda d: (d / "manifest.json").unlink(), "no manifest.json"),
+}
+
+
+@pytest.mark.parametrize("damage", list(MLA_DAMAGE))
+@pytest.mark.parametrize("command", ["generate", "export", "distill"])
+def test_mla_readers_verify_first(command, damage, mla_dir, tmp_path, capsys):
+    d = copy_of(mla_dir, tmp_path / "m")
+    mutate, words = MLA_DAMAGE[damage]
+    mutate(d)
+    args = {"generate": ["generate", d, "-p", "hello world", "-n", "2"],
+            "export": ["export", d, "--out", tmp_path / "o"],
+            "distill": ["distill", d, "--teacher", d, "--data", d / "kvexport_mla.json", "--tokens", "64",
+                               "--out", tmp_path / "o"]}[command]
+    rc, err = run_cli(args, capsys)
+    assert rc == 4 and len(err) == 1 and words in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_distill_output_verifies_with_its_working_files(mla_dir, model_dir, tmp_path, capsys):
+    data = tmp_path / "data.txt"
+    data.write_text("hello world " * 200)
+    out = tmp_path / "dist"
+    rc, _ = run_cli(["distill", mla_dir, "--teacher", model_dir, "--data", data, "--tokens", "64", "--seq-len", "16",
+                     "--batch-size", "2", "--save-every", "1", "--out", out, "--no-progress"], capsys)
+    assert rc == 0 and (out / "checkpoints").is_dir() and (out / "distill_summary.json").is_file()
+    from kvexport.mla.io import load_mla, verify_mla_files
+
+    verify_mla_files(out)  # checkpoints/, the log and the summary are allowed beside the model
+    load_mla(out)
+    _flip_weights(out)
+    with pytest.raises(BadArtifact, match="altered"):
+        load_mla(out)
 
 
 def test_validate_writes_only_its_report(export_dir, tmp_path, capsys):
