@@ -140,16 +140,23 @@ def optimum_export(shape: Shape, cache: Path, venv_python: Path, log=print, time
 
 
 def weight_bytes(path: Path) -> int:
-    """Bytes of the weights a decode step reads: the checkpoint's safetensors, or an ONNX graph's initializers
-    (``decode.onnx`` + external data) for kvexport exports, whose MLA weights differ from the source's."""
+    """Bytes of the weights a decode step reads: the checkpoint's safetensors (a tied embedding counted once, as
+    the LM head), or an ONNX graph's initializers (``decode.onnx`` / ``model.onnx``) for kvexport exports, whose
+    MLA weights differ from the source's; a table only read through ``Gather`` (the embedding) is not counted."""
     path = Path(path)
     if (path / "decode.onnx").is_file() or (path / "model.onnx").is_file():
         name = "decode.onnx" if (path / "decode.onnx").is_file() else "model.onnx"
         import onnx
 
         m = onnx.load(str(path / name), load_external_data=False)
+        gathered, other = set(), set()  # an embedding table only read through Gather costs one row per step
+        for node in m.graph.node:
+            for j, x in enumerate(node.input):
+                (gathered if node.op_type == "Gather" and j == 0 else other).add(x)
         total = 0
         for t in m.graph.initializer:
+            if t.name in gathered and t.name not in other:
+                continue
             n = 1
             for d in t.dims:
                 n *= d

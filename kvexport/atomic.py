@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Interruptions that clean up: SIGTERM (and SIGHUP) raised as :class:`Interrupted` in the main thread.
+"""Interruptions that clean up: SIGINT, SIGTERM and SIGHUP raised as :class:`Interrupted` in the main thread.
 
 Python's default SIGTERM handler ends the process at once, without running ``finally`` blocks or
 ``except BaseException`` clean-ups, so a ``kill`` during ``kvexport export`` would leave the temporary
@@ -9,15 +9,15 @@ sibling of ``--out`` behind. :func:`interrupts_raise` turns those signals into :
 on ``kill``. Only the first signal raises; further ones arriving during the clean-up are remembered
 and ignored, so a second ``kill`` cannot interrupt the removal of a half-written directory.
 
-The CLI's ``main()`` runs every command inside :func:`interrupts_raise`; library users who want the
-same behaviour wrap their own calls.
+The CLI's ``main()`` runs every command inside :func:`interrupts_raise` and exits with ``128 + signum``;
+the yielded :class:`SignalState` also catches the case where typer swallows the KeyboardInterrupt (it turns
+it into a returned 130). Library users who want the same behaviour wrap their own calls.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import tempfile
 import threading
@@ -101,22 +101,4 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         raise
 
 
-def atomic_replace_dir(src: str | Path, dst: str | Path) -> None:
-    """Rename the finished directory ``src`` onto ``dst``; an existing ``dst`` is replaced only once ``src`` is in place."""
-    src, dst = Path(src), Path(dst)
-    old = None
-    if dst.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-        os.rename(dst, old / "d")
-    try:
-        os.rename(src, dst)
-    except BaseException:
-        if old is not None:
-            os.rename(old / "d", dst)
-            shutil.rmtree(old, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-__all__ = ["Interrupted", "SignalState", "interrupts_raise", "leftovers", "atomic_write_bytes", "atomic_replace_dir", "SIGNALS"]
+__all__ = ["Interrupted", "SignalState", "interrupts_raise", "leftovers", "atomic_write_bytes", "SIGNALS"]

@@ -41,6 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     from kvexport.atomic import Interrupted, interrupts_raise
     from kvexport.errors import InternalError, KVExportError
 
+    try:  # typer >= 0.25 raises the exceptions of its vendored copy of click
+        from typer._click import exceptions as tx
+    except ImportError:  # pragma: no cover - older typer uses click itself
+        tx = click.exceptions
+    exit_types = tuple({click.exceptions.Exit, getattr(tx, "Exit", click.exceptions.Exit)})
+    abort_types = tuple({click.exceptions.Abort, getattr(tx, "Abort", click.exceptions.Abort)})
+    usage_types = tuple({click.ClickException, getattr(tx, "ClickException", click.ClickException)})
+
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     try:
@@ -51,16 +59,18 @@ def main(argv: list[str] | None = None) -> int:
             return 128 + sig.signum
         if isinstance(rv, int) and not isinstance(rv, bool) and rv != 0:
             return rv
-    except click.exceptions.Exit as e:
+    except exit_types as e:
         return int(e.exit_code or 0)
-    except click.exceptions.Abort as e:
+    except abort_types as e:
         cause = e.__cause__ or e.__context__
         if isinstance(cause, Interrupted):
             print(f"error: interrupted ({cause})", file=sys.stderr)
             return cause.exit_code
         print("error: interrupted", file=sys.stderr)
         return 130
-    except click.ClickException as e:  # unknown option, missing argument, bad value: bad usage, one line
+    except usage_types as e:  # unknown option, missing argument, bad value: bad usage, one line
+        if not e.format_message():  # no_args_is_help: the help was printed, nothing went wrong
+            return 0
         ctx = getattr(e, "ctx", None)
         hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
         print(f"error: {e.format_message()}{hint}", file=sys.stderr)

@@ -74,7 +74,8 @@ class OrtGenerator:
     :meth:`generate` takes input_ids / attention_mask (B, N) with B = the export's batch.
     """
 
-    def __init__(self, path: str | Path, providers: list[str] | None = None, threads: int | None = None):
+    def __init__(self, path: str | Path, providers: list[str] | None = None, threads: int | None = None,
+                 share_weights: bool = True):
         try:
             import onnxruntime as ort
         except ImportError:  # pragma: no cover - onnxruntime is a dependency
@@ -93,14 +94,57 @@ class OrtGenerator:
         if threads:
             so.intra_op_num_threads = int(threads)
         self._ort = ort
-        self.sessions = {name: ort.InferenceSession(str(self.path / g["file"]), so, providers=providers)
-                         for name, g in s["graphs"].items() if isinstance(g, dict) and "file" in g}
+        graphs = {name: g for name, g in s["graphs"].items() if isinstance(g, dict) and "file" in g}
+        opts = {name: so for name in graphs}
+        self._shared: dict = {}
+        if share_weights and self.device == "cpu" and len(graphs) > 1:
+            opts = self._share_initializers(graphs, threads)
+        self.sessions = {name: ort.InferenceSession(str(self.path / g["file"]), opts[name], providers=providers)
+                         for name, g in graphs.items()}
         self.batch = int(s["batch"])
         self.dtype = NP_DTYPES[s["dtype"]]
         self.dynamic = s["mode"] == "dynamic"
         self.press = s["press"]
         if not self.dynamic:
             self._alloc()
+
+    def _share_initializers(self, graphs: dict, threads: int | None) -> dict:
+        """One copy of every external weight for all graphs of the export (CPU).
+
+        prefill.onnx and decode.onnx each carry the model's weights (under exporter-chosen names); loaded
+        as they are, onnxruntime would keep one copy per session. Identical tensors (same bytes, dtype and
+        shape) are read once and handed to every session with ``SessionOptions.add_initializer``; weight
+        prepacking is disabled for those sessions, since it would make a packed copy per session again.
+        """
+        import hashlib
+
+        import onnx
+
+        np_types = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
+                    onnx.TensorProto.INT64: np.int64, onnx.TensorProto.INT32: np.int32,
+                    onnx.TensorProto.BOOL: np.bool_, onnx.TensorProto.DOUBLE: np.float64}
+        opts = {}
+        for name, g in graphs.items():
+            so = self._ort.SessionOptions()
+            so.log_severity_level = 3
+            if threads:
+                so.intra_op_num_threads = int(threads)
+            if g.get("external_data"):
+                so.add_session_config_entry("session.disable_prepacking", "1")
+                model = onnx.load(str(self.path / g["file"]), load_external_data=False)
+                for t in model.graph.initializer:
+                    if t.data_location != onnx.TensorProto.EXTERNAL or t.data_type not in np_types:
+                        continue
+                    info = {e.key: e.value for e in t.external_data}
+                    raw = np.fromfile(self.path / info["location"], dtype=np.uint8, count=int(info["length"]),
+                                      offset=int(info.get("offset", 0)))
+                    key = hashlib.sha256(raw.data).hexdigest() + f":{t.data_type}:{list(t.dims)}"
+                    if key not in self._shared:
+                        arr = raw.view(np_types[t.data_type]).reshape(list(t.dims))
+                        self._shared[key] = (arr, self._ort.OrtValue.ortvalue_from_numpy(arr))
+                    so.add_initializer(t.name, self._shared[key][1])
+            opts[name] = so
+        return opts
 
     # ------------------------------------------------------------------ buffers
     def _ov(self, arr: np.ndarray):

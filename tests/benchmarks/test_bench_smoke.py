@@ -77,7 +77,7 @@ def test_kv_bytes_agree_with_mla_accounting(row, shape):
                      rms_norm_eps=1e-5, max_position_embeddings=s.max_positions)
     ctx = 16384
     rep = cache_report(spec, mla_ranks=[s.mla_rank] if r.mla else None, rope_dim=s.rope_dim if r.mla else None,
-                       context=s.max_positions if (r.mla and not r.press) else ctx,
+                       context=ctx,
                        budget=s.budget if r.press else None, window=s.window if r.press else None,
                        dtype="float32").to_dict()
     assert s.kv_bytes(r, ctx) == rep["bytes_per_sequence"]

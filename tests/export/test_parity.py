@@ -106,3 +106,25 @@ def test_standard_ops_and_fp16(tiny_models, tmp_path, dtype, ops):
     pair = validate(out, steps=64, model=hf)["pairs"]["pytorch~onnxruntime"]
     assert pair["max_abs_logit_error"] <= TOLERANCES[dtype][0]
     assert pair["token_agreement"] == 1.0 and pair["index_agreement"] == 1.0 and pair["passed"]
+
+
+def test_external_weights_are_shared_between_sessions(tiny_models, tmp_path, monkeypatch):
+    """With external data, prefill and decode sessions get one copy of each weight (add_initializer);
+    the results equal unshared sessions and the PyTorch reference."""
+    from kvexport.export import OrtGenerator, exporter, export_model, verify_manifest
+    from kvexport.export.exporter import press_from_dict
+    from kvexport.export.reference import torch_generate
+
+    monkeypatch.setattr(exporter, "EXTERNAL_DATA_BYTES", 0)
+    hf = tiny_models("llama")
+    out = export_model(hf, tmp_path / "x", **_press(CONFIGS["press"]))
+    assert (out / "prefill.onnx.data").is_file() and (out / "decode.onnx.data").is_file()
+    s = verify_manifest(out)["settings"]
+    ids = np.random.default_rng(2).integers(3, 128, (1, 21))
+    shared, plain = OrtGenerator(out), OrtGenerator(out, share_weights=False)
+    assert shared._shared and not plain._shared
+    a, b = shared.generate(ids, None, 30), plain.generate(ids, None, 30)
+    ref = torch_generate(_reference_decoder(hf, s), s, ids, None, 30, press=press_from_dict(s["press"]))
+    np.testing.assert_array_equal(a.tokens, ref.tokens)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_allclose(np.stack(a.step_logits), np.stack(ref.step_logits), atol=1e-4)

@@ -220,6 +220,11 @@ CASES: list[tuple[str, Callable[[Ctx], list], int, tuple[str, ...]]] = [
      ("--tokens",)),
     ("distill-out-is-file", lambda c: _distill(c, c.model, _data(c))[:-3] + ["--out", c.file("afile")], 2,
      ("is a file",)),
+    # ---- the command line itself (parsed by typer/click) -------------------------------------------------------
+    ("unknown-option", lambda c: ["generate", c.model, "--nope"], 2, ("No such option", "--nope", "--help")),
+    ("option-not-a-number", lambda c: ["generate", c.model, "--budget", "abc"], 2, ("--budget", "integer")),
+    ("required-option-missing", lambda c: ["export", c.model], 2, ("--out",)),
+    ("unknown-command", lambda c: ["exprot", c.model], 2, ("No such command", "exprot")),
     # ---- convert / profile / report / eval -------------------------------------------------------------------
     ("convert-without-out", lambda c: ["convert", c.model], 2, ("--out",)),
     ("convert-energy-with-rank", lambda c: ["convert", c.model, "--out", c.tmp / "o", "--mla-rank", "16",

@@ -85,13 +85,11 @@ def test_missing_backend_is_exit_5(export_dir, tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "x-tensorrt").exists() and [p.name for p in tmp_path.iterdir()] == ["x"]
 
 
-def test_subprocess_one_line_and_debug(tmp_path):
-    """`python -m kvexport` as a user runs it: one line on stderr, the traceback only with --debug."""
+def test_subprocess_one_line(tmp_path):
+    """`python -m kvexport` as a user runs it: one line on stderr, the exit code of the kind."""
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     cmd = [sys.executable, "-m", "kvexport"]
     r = subprocess.run([*cmd, "generate", str(tmp_path / "nope"), "-p", "hi"], capture_output=True, text=True,
                        env=env, timeout=300)
     assert r.returncode == 3 and messages(r.stderr) == [f"error: model directory {str(tmp_path / 'nope')!r} does not exist"]
-    r = subprocess.run([*cmd, "--debug", "generate", str(tmp_path / "nope"), "-p", "hi"], capture_output=True,
-                       text=True, env=env, timeout=300)
-    assert r.returncode == 3 and "Traceback" in r.stderr and "BadModel" in r.stderr
+    assert "Traceback" not in r.stderr  # (--debug's traceback is checked in-process above)

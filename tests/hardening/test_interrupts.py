@@ -121,3 +121,20 @@ def test_signal_handlers_are_restored():
     with interrupts_raise() as st:
         assert signal.getsignal(signal.SIGTERM) is not old
     assert signal.getsignal(signal.SIGTERM) is old and st.signum is None
+
+
+def test_atomic_write_bytes_leaves_old_file_on_failure(tmp_path, monkeypatch):
+    from kvexport.atomic import atomic_write_bytes
+
+    f = tmp_path / "report.html"
+    atomic_write_bytes(f, b"old")
+    real = os.replace
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write_bytes(f, b"new")
+    monkeypatch.setattr(os, "replace", real)
+    assert f.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["report.html"]
