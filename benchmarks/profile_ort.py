@@ -5,8 +5,8 @@
 
 Builds a session of one graph of an export directory (static shapes) with ``enable_profiling``, feeds it
 zeros (position inputs -1 = empty slots; every static graph does the same work whatever the values), runs it
-``runs`` times after a warm-up and prints the share of node time per op type (and the largest single nodes)
-as markdown. Used by docs/benchmarks.md to explain missed goals.
+``runs`` times after a warm-up and prints the share of node time per op type (each node's median over the runs,
+so a run preempted by another process does not count) and the largest single nodes, as markdown. Used by docs/benchmarks.md to explain missed goals.
 """
 
 from __future__ import annotations
@@ -55,24 +55,25 @@ def profile(export_dir: str | Path, graph: str = "decode", runs: int = 32, threa
         for _ in range(runs):
             sess.run(None, feeds)
         events = json.loads(Path(sess.end_profiling()).read_text())
-    by_op: dict[str, float] = defaultdict(float)
-    by_node: dict[tuple[str, str], float] = defaultdict(float)
+    durs: dict[tuple[str, str], list[float]] = defaultdict(list)
     for e in events:
         if e.get("cat") != "Node" or not e.get("name", "").endswith("_kernel_time"):
             continue
-        op = e.get("args", {}).get("op_name", "?")
-        by_op[op] += e["dur"]
-        by_node[(e["name"][: -len("_kernel_time")], op)] += e["dur"]
-    # the first 3 runs are warm-up: scale to per-run figures over all recorded runs
-    n = runs + 3
+        durs[(e["name"][: -len("_kernel_time")], e.get("args", {}).get("op_name", "?"))].append(e["dur"])
+    # per node, the median over the runs (robust to a run preempted by another process), summed per op type
+    by_node = {k: float(np.median(v[3:] if len(v) > 3 else v)) for k, v in durs.items()}
+    by_op: dict[str, float] = defaultdict(float)
+    for (_, op), us in by_node.items():
+        by_op[op] += us
     total = sum(by_op.values())
-    return {"graph": graph, "runs": n, "total_us_per_run": total / n,
-            "by_op": sorted(((k, v / n, v / total) for k, v in by_op.items()), key=lambda x: -x[1]),
-            "top_nodes": sorted(((k[0], k[1], v / n) for k, v in by_node.items()), key=lambda x: -x[2])[:12]}
+    return {"graph": graph, "runs": runs, "total_us_per_run": total,
+            "by_op": sorted(((k, v, v / total) for k, v in by_op.items()), key=lambda x: -x[1]),
+            "top_nodes": sorted(((k[0], k[1], v) for k, v in by_node.items()), key=lambda x: -x[2])[:12]}
 
 
 def markdown(p: dict, top: int = 10) -> str:
-    lines = [f"`{p['graph']}.onnx`: {p['total_us_per_run'] / 1e3:.2f} ms of kernel time per run ({p['runs']} runs)",
+    lines = [f"`{p['graph']}.onnx`: {p['total_us_per_run'] / 1e3:.3f} ms of kernel time per run (sum of per-node "
+             f"medians over {p['runs']} runs)",
              "", "| op type | ms/run | share |", "|---|---:|---:|"]
     for op, us, share in p["by_op"][:top]:
         lines.append(f"| {op} | {us / 1e3:.3f} | {100 * share:.0f}% |")

@@ -138,3 +138,43 @@ def test_atomic_write_bytes_leaves_old_file_on_failure(tmp_path, monkeypatch):
         atomic_write_bytes(f, b"new")
     monkeypatch.setattr(os, "replace", real)
     assert f.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["report.html"]
+
+
+def test_build_engine_interrupted_keeps_previous_engines(tmp_path, monkeypatch, capsys):
+    """With a stand-in TensorRT: SIGTERM while the second engine is written; the previous engine folder stays."""
+    import onnx
+
+    import kvexport.tensorrt as trt_pkg
+    from kvexport.export.manifest import write_manifest
+    from tests.tensorrt.onnx_models import topk_gather_model
+    from tests.tensorrt.test_engine_build_fake import make_fake_trt
+
+    export = tmp_path / "x"
+    export.mkdir()
+    for name in ("decode.onnx", "prefill.onnx"):
+        onnx.save(topk_gather_model(), str(export / name))
+    write_manifest(export, "onnx-export", {})
+    previous = tmp_path / "x-tensorrt"
+    previous.mkdir()
+    (previous / "decode.engine").write_bytes(b"OLD PLAN")
+    fake, _ = make_fake_trt("10.3.0")
+    monkeypatch.setitem(sys.modules, "tensorrt", fake)
+    built = []
+
+    def build_then_kill(onnx_path, engine_path, **k):
+        Path(engine_path).write_bytes(b"half a plan")
+        built.append(engine_path)
+        if len(built) == 2:
+            _kill_self()
+        from kvexport.tensorrt.engine import EngineReport
+
+        return EngineReport(onnx=str(onnx_path), engine=str(engine_path), tensorrt="10.3.0", fp16=False, bytes=11)
+
+    monkeypatch.setattr(trt_pkg, "build_engine", build_then_kill)
+    rc = main(["build-engine", str(export)])
+    assert rc == 128 + signal.SIGTERM, capsys.readouterr().err
+    assert sorted(p.name for p in previous.iterdir()) == ["decode.engine"]
+    assert (previous / "decode.engine").read_bytes() == b"OLD PLAN"
+    assert leftovers(tmp_path, "x-tensorrt") == [] and sorted(p.name for p in tmp_path.iterdir()) == ["x",
+                                                                                                      "x-tensorrt"]
+    verify_manifest(export)  # nothing was written into the export
