@@ -101,6 +101,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def render(res: dict, out: Path) -> None:
+    # the bound uses the best bandwidth sample of the run: other jobs on a shared CPU only ever lower it
+    samples = [res["bandwidth"]["copy_gbps"], *res.get("bandwidth_samples", []),
+               *([res["bandwidth_end"]["copy_gbps"]] if "bandwidth_end" in res else [])]
+    res["bandwidth_best_gbps"] = best = max(samples)
+    for c in res["cells"]:
+        if c.get("status") == "ok" and c.get("bound"):
+            c["bound"] = bandwidth.decode_bound(c["bound"]["bytes_per_step"] - c["kv_bytes"], c["kv_bytes"],
+                                                c["decode_ms_median"], best)
     res["goals"] = report.goals(res)
     (out / "results.json").write_text(json.dumps(res, indent=1))
     (out / "results.md").write_text(report.markdown(res))
@@ -157,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         res["shapes"][sname] = {**shape.to_dict(), "model_dir": str(mdir), "weight_bytes": wbytes,
                                 "mla_ratio": shape.mla_ratio()}
         log(f"shape {sname}: {mdir} ({wbytes / 2**20:.1f} MiB of weights)")
+        res.setdefault("bandwidth_samples", []).append(bandwidth.copy_bandwidth()["copy_gbps"])
         targets: dict[str, dict] = {}
         for rname in rows:
             row = ROWS[rname]

@@ -24,20 +24,27 @@ NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)
       "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
 
 
-def feeds_for(sess) -> dict[str, np.ndarray]:
+def feeds_for(sess, dims: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+    """Zeros for every input; symbolic dims take ``dims[name]`` (e.g. the growing past's length), else 1."""
+    dims = dims or {}
     out = {}
     for i in sess.get_inputs():
-        shape = [d if isinstance(d, int) else 1 for d in i.shape]
+        shape = [d if isinstance(d, int) else int(dims.get(str(d), 1)) for d in i.shape]
         dt = NP.get(i.type, np.float32)
-        if i.name.startswith(("pos", "qpos")) or i.name in ("positions",):
-            arr = np.full(shape, -1 if i.name != "positions" else 0, dt)
+        if i.name == "past_positions":
+            arr = np.arange(shape[-1], dtype=dt)[None].repeat(shape[0], 0)
+        elif i.name == "positions":
+            arr = np.full(shape, int(dims.get("past", 0)), dt)
+        elif i.name.startswith(("pos", "qpos")):
+            arr = np.full(shape, -1, dt)
         else:
             arr = np.zeros(shape, dt)
         out[i.name] = arr
     return out
 
 
-def profile(export_dir: str | Path, graph: str = "decode", runs: int = 32, threads: int = 1) -> dict:
+def profile(export_dir: str | Path, graph: str = "decode", runs: int = 32, threads: int = 1,
+            dims: dict[str, int] | None = None) -> dict:
     """Returns {"total_us", "by_op": [(op, us, share)], "top_nodes": [(name, op, us)], "runs"}."""
     import onnxruntime as ort
 
@@ -49,7 +56,7 @@ def profile(export_dir: str | Path, graph: str = "decode", runs: int = 32, threa
     with tempfile.TemporaryDirectory() as tmp:
         so.profile_file_prefix = os.path.join(tmp, "ort")
         sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        feeds = feeds_for(sess)
+        feeds = feeds_for(sess, dims)
         for _ in range(3):
             sess.run(None, feeds)
         for _ in range(runs):
@@ -88,8 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--json", help="also write the profile summary here")
+    ap.add_argument("--dim", action="append", default=[], metavar="NAME=N",
+                    help="value of a symbolic input dim, e.g. past=16384 for a --dynamic-cache model.onnx")
     a = ap.parse_args(argv)
-    p = profile(a.export_dir, a.graph, a.runs, a.threads)
+    dims = {k: int(v) for k, v in (d.split("=", 1) for d in a.dim)}
+    p = profile(a.export_dir, a.graph, a.runs, a.threads, dims)
     print(markdown(p, a.top))
     print()
     print("largest nodes:", ", ".join(f"{n} ({op}) {us / 1e3:.3f} ms" for n, op, us in p["top_nodes"][:6]))

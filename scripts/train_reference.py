@@ -64,6 +64,9 @@ class Size:
     lr: float = 3e-3
     warmup: int = 100
     storage_dtype: str = "float32"  # dtype of the tensors in model.safetensors
+    #: second phase, started from the saved checkpoint: more steps with a fresh AdamW and a new cosine
+    extend_steps: int = 0
+    extend_lr: float = 1e-3
     head_dim: int = 32
 
 
@@ -82,6 +85,7 @@ SIZES = {
         intermediate=704,
         steps=350,
         warmup=50,
+        extend_steps=300,
         lr=2e-3,
         storage_dtype="float16",
     ),
@@ -295,6 +299,96 @@ def train(key: str, eval_every: int = 100, log=print, threads: int = 2) -> dict:
     return summary
 
 
+def extend(key: str, eval_every: int = 100, log=print, threads: int = 2) -> dict:
+    """Phase 2: reload models/<name> (as saved, so float16 rounding included), train ``extend_steps`` more
+    steps (fresh AdamW, 20 warm-up steps, cosine from ``extend_lr`` to 10 %, data seed SEED + 1), save."""
+    from transformers import LlamaForCausalLM
+
+    size = SIZES[key]
+    out = MODELS / size.name
+    first = json.loads((out / "training_log.json").read_text())
+    first = first.get("phase1", first)
+    torch.set_num_threads(threads)
+    torch.manual_seed(SEED + 1)
+    tok = load_tokenizer()
+    train_s, held_s = token_streams(tok)
+    windows = heldout_windows(held_s)
+    model = LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    model.train()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=size.extend_lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    sched = Size(size.name, 0, 0, 0, 0, 0, steps=size.extend_steps, lr=size.extend_lr, warmup=20)
+    g = torch.Generator().manual_seed(SEED + 1)
+    train_t = torch.from_numpy(train_s.astype(np.int64))
+    hist = {k: list(v) for k, v in first["history"].items()}
+    s0, w0 = first["steps"], first["wall_s"]
+    log(f"[{key}] extending from step {s0} by {size.extend_steps} steps")
+    t0, run = time.time(), []
+    for i in range(size.extend_steps):
+        step = s0 + i
+        if i % eval_every == 0 and i > 0:
+            loss = evaluate(model, windows)
+            hist["heldout"].append(
+                {"step": step, "tokens": step * size.batch * SEQ, "loss": loss, "elapsed_s": w0 + time.time() - t0}
+            )
+            log(f"[{key}] step {step} heldout {loss:.4f} ({time.time() - t0:.0f}s)")
+        starts = torch.randint(0, len(train_t) - SEQ - 1, (size.batch,), generator=g)
+        x = torch.stack([train_t[s : s + SEQ + 1] for s in starts.tolist()])
+        for grp in opt.param_groups:
+            grp["lr"] = lr_at(i, sched)
+        logits = model(x[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        run.append(loss.item())
+        if (i + 1) % 20 == 0:
+            hist["train"].append(
+                {
+                    "step": step + 1,
+                    "tokens": (step + 1) * size.batch * SEQ,
+                    "loss": float(np.mean(run)),
+                    "elapsed_s": w0 + time.time() - t0,
+                }
+            )
+            run = []
+    final = evaluate(model, windows)
+    wall = time.time() - t0
+    steps = s0 + size.extend_steps
+    hist["heldout"].append({"step": steps, "tokens": steps * size.batch * SEQ, "loss": final, "elapsed_s": w0 + wall})
+    log(f"[{key}] extension done heldout {final:.4f} ppl {math.exp(final):.2f} wall {wall:.0f}s")
+    phase1 = {k: v for k, v in first.items() if k != "history"}
+    summary = dict(
+        first,
+        steps=steps,
+        tokens_seen=steps * size.batch * SEQ,
+        heldout_loss=final,
+        heldout_ppl=math.exp(final),
+        wall_s=w0 + wall,
+        history=hist,
+        phase1=phase1,
+        extension={
+            "steps": size.extend_steps,
+            "lr": size.extend_lr,
+            "warmup": 20,
+            "seed": SEED + 1,
+            "wall_s": wall,
+            "threads": threads,
+            "from_loss": first["heldout_loss"],
+        },
+    )
+    summary["hyper"] = asdict(size)
+    save(model, tok, size, summary)
+    return summary
+
+
 # ----------------------------------------------------------------------------------------------- save
 def save(model, tok, size: Size, summary: dict) -> None:
     out = MODELS / size.name
@@ -316,6 +410,18 @@ def save(model, tok, size: Size, summary: dict) -> None:
         shutil.copy(f, out / f.name)
     (out / "training_log.json").write_text(json.dumps(summary, indent=1))
     (out / "README.md").write_text(model_card(summary))
+
+
+def _extension_row(s: dict) -> str:
+    e = s.get("extension")
+    if not e:
+        return ""
+    p = s["phase1"]
+    return (
+        f"| training, phase 2 | the first {p['steps']} steps (held-out loss {e['from_loss']:.4f}) were saved, reloaded "
+        f"and trained {e['steps']} more steps: fresh AdamW, {e['warmup']} warm-up steps, cosine from lr "
+        f"{e['lr']} to 10 %, data seed {e['seed']} ({e['wall_s'] / 60:.1f} min, {e['threads']} threads) |\n"
+    )
 
 
 def model_card(s: dict) -> str:
@@ -343,7 +449,7 @@ It writes Python-looking code; it is not a useful assistant.
 | data | Python {s["python"]} standard library `*.py` (CPython's `Lib/`), without `site-packages`, `test`, `tests`, `idle_test`, `pydoc_data` |
 | split | by file: held out iff `sha256(relative_path)[0] < {HELDOUT_BYTE}`; {len(train)} train files ({s["train_tokens"]:,} tokens), {len(held)} held-out files |
 | training | {s["steps"]} steps × batch {h["batch"]} × {SEQ} tokens = {s["tokens_seen"]:,} tokens seen (random windows of the train stream); AdamW (β 0.9/0.95, wd 0.1), lr {h["lr"]} with {h["warmup"]} warm-up steps and cosine decay to 10 %, grad clip 1.0, seed {s["seed"]} |
-| compute | {s["wall_s"] / 60:.1f} min wall on 2 CPU cores shared with other jobs (`torch.set_num_threads({s.get("threads", 2)})`, torch {s["torch"]}) |
+{_extension_row(s)}| compute | {s["wall_s"] / 60:.1f} min wall on 2 CPU cores shared with other jobs (`torch.set_num_threads({s.get("threads", 2)})`, torch {s["torch"]}) |
 | held-out loss | **{s["heldout_loss"]:.4f}** nats/token, perplexity **{s["heldout_ppl"]:.2f}** ({s["heldout_tokens_eval"]:,} tokens: 48 evenly spaced 257-token windows of the held-out stream) |
 
 Loss curves: `training_log.json` here, plotted in `docs/reference_models.md`.
@@ -518,6 +624,7 @@ def main(argv: list[str] | None = None) -> None:
         help="redraw docs/reference_models_loss.png, docs/reference_models.md, models/README.md",
     )
     ap.add_argument("--steps", type=int, help="override the step count (smoke runs)")
+    ap.add_argument("--extend-only", action="store_true", help="only run phase 2 from the saved checkpoint")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     a = ap.parse_args(argv)
     if a.tokenizer or a.all or not (TOKENIZER_DIR / "tokenizer.json").exists():
@@ -528,7 +635,10 @@ def main(argv: list[str] | None = None) -> None:
     for k in keys:
         if a.steps:
             SIZES[k].steps = a.steps
-        train(k, log=lambda m: print(m, flush=True), threads=a.threads)
+        if not a.extend_only:
+            train(k, log=lambda m: print(m, flush=True), threads=a.threads)
+        if SIZES[k].extend_steps:
+            extend(k, log=lambda m: print(m, flush=True), threads=a.threads)
     if a.docs or a.all or keys:
         plot()
         write_docs()

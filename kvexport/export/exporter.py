@@ -320,15 +320,27 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
         else:
             files.update(_export_static(dec, p, budgets, window_eff, batch, chunk, td, custom, tmp))
         settings["graphs"] = files
-        if src is not None:
-            toks = [f for f in TOKENIZER_FILES if (src / f).is_file()]
+        tok_src = _tokenizer_source(model, src)
+        if tok_src is not None:
+            toks = [f for f in TOKENIZER_FILES if (tok_src / f).is_file()]
             if toks:
                 (tmp / "tokenizer").mkdir()
                 for f in toks:
-                    shutil.copyfile(src / f, tmp / "tokenizer" / f)
+                    shutil.copyfile(tok_src / f, tmp / "tokenizer" / f)
         settings["tokenizer"] = "tokenizer" if (tmp / "tokenizer").is_dir() else None
         write_manifest(tmp, KIND, settings, model_hash, reports=("parity.json",))
     return Path(out)
+
+
+def _tokenizer_source(model, src: Path | None) -> Path | None:
+    """Where the tokenizer files are: the model directory, or the directory an in-memory model came from."""
+    if src is not None:
+        return src
+    for attr in ("source_dir", "name_or_path"):
+        v = getattr(model, attr, None)
+        if v and Path(str(v)).is_dir():
+            return Path(str(v))
+    return None
 
 
 def _io(model) -> dict[str, list[str]]:

@@ -111,7 +111,7 @@ def test_standard_ops_and_fp16(tiny_models, tmp_path, dtype, ops):
 def test_external_weights_are_shared_between_sessions(tiny_models, tmp_path, monkeypatch):
     """With external data, prefill and decode sessions get one copy of each weight (add_initializer);
     the results equal unshared sessions and the PyTorch reference."""
-    from kvexport.export import OrtGenerator, exporter, export_model, verify_manifest
+    from kvexport.export import OrtGenerator, export_model, exporter, verify_manifest
     from kvexport.export.exporter import press_from_dict
     from kvexport.export.reference import torch_generate
 
