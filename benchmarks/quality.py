@@ -18,13 +18,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 def load_studies(docs: Path | None = None) -> list[dict]:
     out = []
-    for f in sorted(Path(docs or REPO / "docs").glob("*.json")):
+    for f in sorted(Path(docs or REPO / "docs").rglob("*.json")):
         try:
             d = json.loads(f.read_text())
         except (OSError, ValueError):
             continue
         if isinstance(d, dict) and isinstance(d.get("results"), dict) and "prompt_len" in d.get("settings", {}):
-            d["_file"] = f.name
+            d["_file"] = str(f.relative_to(Path(docs or REPO / "docs")))
             out.append(d)
     return out
 

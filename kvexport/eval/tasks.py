@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -42,7 +42,6 @@ FILLER_SENTENCES = (
     "The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.",
 )
 _ANSWER = re.compile(r"[0-9]+")
-N_DISTRACTORS = 3
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,6 @@ class RecallExample:
     answer: str
     kind: str
     depth: float  # where the answer sits in the context, 0 = start, 1 = end
-    choices: list[str] = field(default_factory=list)  # the answer and N_DISTRACTORS others, sorted
 
 
 def extract_answer(generated: str) -> str:
@@ -152,27 +150,11 @@ def passkey_examples(tok, settings: TaskSettings) -> list[RecallExample]:
     return out
 
 
-def add_choices(tok, examples: list[RecallExample], seed: int) -> None:
-    """Give every example N_DISTRACTORS random 5-digit distractors that do not occur in its context (seeded)."""
-    rng = random.Random(seed)
-    for e in examples:
-        text = tok.decode(e.prompt)
-        others: set[str] = set()
-        while len(others) < N_DISTRACTORS:
-            v = str(rng.randint(10000, 99999))
-            if v != e.answer and v not in text:
-                others.add(v)
-        e.choices = sorted([e.answer, *others])
-
-
 def recall_examples(tok, settings: TaskSettings) -> dict[str, list[RecallExample]]:
     from kvexport.eval.data import heldout_texts
 
-    out = {"code_recall": code_recall_examples(tok, settings, heldout_texts()),
-           "passkey": passkey_examples(tok, settings)}
-    for i, ex in enumerate(out.values()):
-        add_choices(tok, ex, settings.seed * 1000 + 10 + i)
-    return out
+    return {"code_recall": code_recall_examples(tok, settings, heldout_texts()),
+            "passkey": passkey_examples(tok, settings)}
 
 
 def answer_tokens(tok, answer: str) -> int:
@@ -237,40 +219,6 @@ def recall_accuracy(decoder, tok, examples: list[RecallExample], settings: TaskS
             hits += p == e.answer
     acc = hits / len(examples)
     return (acc, preds) if return_predictions else acc
-
-
-@torch.no_grad()
-def choice_scores(decoder, tok, examples: list[RecallExample], settings: TaskSettings, press=None) -> torch.Tensor:
-    """-> (N, K) log p(" " + choice | context) for every example and choice: the context is prefilled (compressed
-    by ``press`` once), the choice's tokens are fed teacher-forced. Rows of one example share the context."""
-    P, K = settings.context_len, len(examples[0].choices)
-    L = decoder.spec.num_layers
-    out = []
-    per = max(1, settings.batch // K)
-    for s in range(0, len(examples), per):
-        chunk = examples[s : s + per]
-        conts = [_ids(tok, " " + c) for e in chunk for c in e.choices]
-        T = max(len(c) for c in conts)
-        ctx = torch.tensor([e.prompt for e in chunk for _ in e.choices], dtype=torch.long)  # (B, P)
-        cont = torch.tensor([c + [c[-1]] * (T - len(c)) for c in conts], dtype=torch.long)  # (B, T) padded
-        mask = torch.tensor([[1.0] * len(c) + [0.0] * (T - len(c)) for c in conts])
-        B = ctx.shape[0]
-        pos = torch.arange(P + T).expand(B, P + T)
-        budgets = press.layer_budgets(L, P) if press is not None else [P] * L
-        cache = decoder.new_cache(B, press, budgets, T + 1)
-        logits = [decoder(ctx, pos[:, :P], cache, mode="prefill")[:, -1]]
-        for t in range(T - 1):
-            logits.append(decoder(cont[:, t : t + 1], pos[:, P + t : P + t + 1], cache, mode="decode")[:, -1])
-        lp = torch.stack(logits, 1).float().log_softmax(-1).gather(-1, cont[..., None])[..., 0]  # (B, T)
-        out.append(((lp * mask).sum(-1)).view(len(chunk), K))
-    return torch.cat(out)
-
-
-def choice_accuracy(decoder, tok, examples: list[RecallExample], settings: TaskSettings, press=None) -> float:
-    """Exact match of the most likely choice (:func:`choice_scores`) with the answer."""
-    scores = choice_scores(decoder, tok, examples, settings, press)
-    pred = scores.argmax(-1).tolist()
-    return sum(e.choices[i] == e.answer for e, i in zip(examples, pred, strict=True)) / len(examples)
 
 
 def evaluate_tasks(decoder, taskset: TaskSet, press=None) -> dict:

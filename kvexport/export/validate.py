@@ -10,7 +10,8 @@ steps whose onnxruntime argmax equals PyTorch's token; index agreement is the fr
 
 The numeric verdict is Polygraphy's: both backends are wrapped as Polygraphy runners (``BaseRunner``
 subclasses) and ``Comparator.compare_accuracy`` with ``SimpleCompareFunc(atol, rtol)`` compares the
-stacked logits of every step. ``passed`` = Polygraphy passed and token and index agreement are 1.0.
+stacked logits of every step. ``passed`` = Polygraphy passed and token and index agreement reach their
+thresholds (1.0 in fp32).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import numpy as np
 from kvexport.errors import BadArtifact, BadUsage, ParityFailure
 
 PARITY_FILE = "parity.json"
-#: default tolerances per export dtype: (atol, rtol) on logits
-TOLERANCES = {"fp32": (1e-4, 1e-3), "fp16": (5e-2, 5e-2)}
+#: default tolerances per export dtype: (atol, rtol) on logits, least greedy-token and kept-index agreement.
+#: fp16 rounds differently in PyTorch and onnxruntime, so a near-tie argmax or top-k may flip now and then.
+TOLERANCES = {"fp32": (1e-4, 1e-3, 1.0, 1.0), "fp16": (5e-2, 5e-2, 0.98, 0.95)}
 
 
 # ----------------------------------------------------------------------------- polygraphy runners
@@ -215,7 +217,8 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
 
     prompts: None (random token ids at lengths below/at/above the budget and over several chunks),
     a list of lengths, token-id lists or strings. steps: decode steps per prompt (>= 1).
-    atol/rtol: logit tolerances (default by dtype: fp32 1e-4 / 1e-3, fp16 5e-2 / 5e-2).
+    atol/rtol: logit tolerances (default by dtype: fp32 1e-4 / 1e-3, fp16 5e-2 / 5e-2); token / index
+    agreement must be 1.0 in fp32, >= 0.98 / 0.95 in fp16 (:data:`TOLERANCES`).
     Raises :class:`ParityFailure` (exit 6) when ``raise_on_failure`` and a tolerance fails.
     """
     from polygraphy.comparator import Comparator, SimpleCompareFunc
@@ -227,7 +230,7 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
         raise BadUsage(f"--steps {steps} must be >= 1")
     gen = OrtGenerator(path, providers=providers)
     s = gen.settings
-    d_atol, d_rtol = TOLERANCES[s["dtype"]]
+    d_atol, d_rtol, min_tok, min_idx = TOLERANCES[s["dtype"]]
     atol = d_atol if atol is None else float(atol)
     rtol = d_rtol if rtol is None else float(rtol)
     press = press_from_dict(s["press"])
@@ -284,12 +287,12 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     index_agreement = idx_agree / idx_total if idx_total else 1.0
     max_abs = float(max(per_step_abs)) if per_step_abs else 0.0
     max_rel = float(max(per_step_rel)) if per_step_rel else 0.0
-    passed = bool(poly_ok and token_agreement == 1.0 and index_agreement == 1.0)
+    passed = bool(poly_ok and token_agreement >= min_tok and index_agreement >= min_idx)
     pair = {
         "reference": "pytorch", "candidate": f"onnxruntime:{gen.providers[0]}",
         "max_abs_logit_error": max_abs, "max_rel_logit_error": max_rel, "token_agreement": token_agreement,
         "index_agreement": index_agreement, "steps": int(steps), "passed": passed, "polygraphy_passed": poly_ok,
-        "tolerances": {"atol": atol, "rtol": rtol, "token_agreement": 1.0, "index_agreement": 1.0,
+        "tolerances": {"atol": atol, "rtol": rtol, "token_agreement": min_tok, "index_agreement": min_idx,
                        "compare": "polygraphy SimpleCompareFunc (elementwise) on stacked per-step logits"},
         "per_step_max_abs_logit_error": per_step_abs, "per_step_max_rel_logit_error": per_step_rel,
         "prompts": prompt_rows, "compared_kept_sets": idx_total,

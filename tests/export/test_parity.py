@@ -104,8 +104,9 @@ def test_standard_ops_and_fp16(tiny_models, tmp_path, dtype, ops):
         assert ("kvexport" in domains) == (ops == "custom")
         onnx.checker.check_model(m, full_check=True)
     pair = validate(out, steps=64, model=hf)["pairs"]["pytorch~onnxruntime"]
-    assert pair["max_abs_logit_error"] <= TOLERANCES[dtype][0]
-    assert pair["token_agreement"] == 1.0 and pair["index_agreement"] == 1.0 and pair["passed"]
+    atol, _, min_tok, min_idx = TOLERANCES[dtype]
+    assert pair["max_abs_logit_error"] <= atol
+    assert pair["token_agreement"] >= min_tok and pair["index_agreement"] >= min_idx and pair["passed"]
 
 
 def test_external_weights_are_shared_between_sessions(tiny_models, tmp_path, monkeypatch):
