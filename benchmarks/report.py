@@ -93,8 +93,8 @@ def markdown(res: dict) -> str:
     for b in res.get("builds", []):
         if b.get("error"):
             lines.append(f"- build of {b['row']}/{b['shape']} failed: {b['error']}")
-    ctxs = res["settings"]["contexts"]
     for shape, sh in res["shapes"].items():
+        ctxs = sorted({c["context"] for c in res["cells"] if c["shape"] == shape}) or res["settings"]["contexts"]
         lines += [f"### {shape}", "",
                   f"hidden {sh['hidden']}, {sh['layers']} layers, {sh['heads']} heads / {sh['kv_heads']} KV heads of "
                   f"{sh['head_dim']}, MLP {sh['intermediate']}, vocab {sh['vocab']}; {sh['weight_bytes'] / MIB:.1f} MiB "

@@ -66,7 +66,7 @@ def validate_cmd(
     from rich.table import Table
 
     from kvexport.errors import ParityFailure
-    from kvexport.export.validate import PARITY_FILE, validate
+    from kvexport.export.validation import PARITY_FILE, validate
 
     rep = validate(directory, prompts=list(prompt) or None, steps=steps, atol=atol, rtol=rtol, model=model)
     t = Table(title=f"parity: {directory}")

@@ -46,7 +46,7 @@ def run_validate(st) -> dict[str, Any]:
     The PyTorch reference is the MLA decoder the export was made from (DIR/mla) or, for eviction only,
     the export's source model. parity.json is written by the caller at DIR's top level.
     """
-    from kvexport.export.validate import validate
+    from kvexport.export.validation import validate
 
     exp = st.work / layout.ONNX_DIR
     ref = st.mla_decoder  # None: validate loads the manifest's source model itself

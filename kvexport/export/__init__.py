@@ -3,7 +3,7 @@
 
 ``export_model`` writes the graphs (:mod:`kvexport.export.exporter`), ``OrtGenerator`` runs them with
 onnxruntime IO binding (:mod:`kvexport.export.runtime`), ``validate`` compares them with the PyTorch
-model (:mod:`kvexport.export.validate`). torch (for exporting), onnxruntime and Polygraphy are imported
+model (:mod:`kvexport.export.validation`). torch (for exporting), onnxruntime and Polygraphy are imported
 only when used, so a deployment that only runs exports does not load torch.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kvexport.export.manifest import atomic_output, read_manifest, verify_manifest, write_manifest
 from kvexport.export.runtime import OrtGenerationResult, OrtGenerator
-from kvexport.export.validate import validate
+from kvexport.export.validation import validate
 
 
 def __getattr__(name):

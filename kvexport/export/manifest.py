@@ -124,6 +124,8 @@ def check_out_dir(out: str | Path, force: bool) -> Path:
     probe = parent
     while not probe.exists():
         probe = probe.parent
+    if not probe.is_dir():
+        raise BadUsage(f"--out {out}: {probe} is a file; give a directory path")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise BadUsage(f"--out {out}: {probe} is not writable")
     return out

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvexport.errors import BadUsage, MissingBackend
+from kvexport.errors import BadArtifact, BadUsage, MissingBackend
 from kvexport.export.manifest import ONNX_EXPORT as KIND
 from kvexport.export.manifest import verify_manifest
 
@@ -72,6 +72,11 @@ class OrtGenerator:
 
     ``OrtGenerator(dir, providers=None)``: providers default to CUDA when onnxruntime offers it, else CPU.
     :meth:`generate` takes input_ids / attention_mask (B, N) with B = the export's batch.
+
+    Step API (what :meth:`generate`, the profiler and long-run drivers use): :meth:`prefill` (resets, feeds the
+    prompt, returns the last logits (B, V)), :meth:`decode` (one token per sequence -> logits (B, V)),
+    :meth:`kept_positions`, the ``compactions`` counter and the ``on_compaction`` callback. Nothing is kept
+    per step, so memory stays flat however long the run.
     """
 
     def __init__(self, path: str | Path, providers: list[str] | None = None, threads: int | None = None,
@@ -105,8 +110,11 @@ class OrtGenerator:
         self.dtype = NP_DTYPES[s["dtype"]]
         self.dynamic = s["mode"] == "dynamic"
         self.press = s["press"]
+        self.on_compaction = None  # callable(where: "prefill:<chunk>" | "decode:<step>", generator) per compaction
+        self.last_logits = None
         if not self.dynamic:
             self._alloc()
+        self.reset()
 
     def _share_initializers(self, graphs: dict, threads: int | None) -> dict:
         """One copy of every external weight for all graphs of the export (CPU).
@@ -172,7 +180,7 @@ class OrtGenerator:
         self.logits = self._ov(np.zeros((B, int(s["vocab_size"])), self.dtype))
         self.cache_bytes = sum(a.nbytes for n, a in self.initial.items() if n[0] in "kv")
 
-    def reset(self) -> None:
+    def _reset_buffers(self) -> None:
         for n, a in self.initial.items():
             self.buffers[n][self.cur[n]].update_inplace(a)
 
@@ -202,17 +210,198 @@ class OrtGenerator:
     def _positions_now(self) -> list[np.ndarray]:
         return [self.buffers[f"pos_{i}"][self.cur[f"pos_{i}"]].numpy().copy() for i in range(len(self.layers))]
 
+    # ------------------------------------------------------------------ step API
+    def reset(self) -> None:
+        """Start a new sequence: empty every cache buffer and the host bookkeeping (fill counts, positions)."""
+        B = self.batch
+        self.step = 0  # decode steps since the prefill
+        self.compactions = 0
+        self.next_pos = np.zeros(B, np.int64)  # (B,) position of the next token
+        self.last_logits: np.ndarray | None = None  # (B, V)
+        if self.dynamic:
+            self._past: dict = {}
+            for inp in self.sessions["model"].get_inputs():
+                if inp.name.startswith("past_") and inp.name != "past_positions":
+                    shp = list(inp.shape)
+                    shp[0], shp[2] = B, 0
+                    self._past[inp.name] = np.zeros(shp, self.dtype)
+            self._past_pos = np.zeros((B, 0), np.int64)
+        else:
+            self._reset_buffers()
+            self.fill = [0] * len(self.layers)
+
+    def kept_positions(self) -> list[np.ndarray]:
+        """Positions held in each layer's cache now: per layer (B, Hc, cap) int64, -1 = empty slot (copies).
+
+        For the growing-past baseline: one (B, 1, n) array of the positions fed so far."""
+        if self.dynamic:
+            return [self._past_pos[:, None].copy()]
+        return self._positions_now()
+
+    def _compacted(self, where: str) -> None:
+        self.compactions += 1
+        if self.on_compaction is not None:
+            self.on_compaction(where, self)
+
+    def _check_length(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        n = int(mask.sum(-1).max())
+        limit = int(self.settings.get("max_positions") or 0)
+        if limit and n > limit:
+            raise BadUsage(f"prompt of {n} tokens exceeds the export's maximum {limit} (max_positions)")
+
+    def prefill(self, input_ids, attention_mask=None) -> np.ndarray:
+        """Reset, then feed the prompt ``input_ids`` (B, N) (``attention_mask`` (B, N) 0/1, left padded).
+
+        Static exports run the prefill graph on chunks of the export's ``chunk`` (the last one padded with
+        position -1); a press compacts whenever a chunk overflows a layer's budget. Returns the logits of the
+        last prompt token, (B, V) (a copy)."""
+        ids, mask = check_prompt(input_ids, attention_mask, 1)
+        if ids.shape[0] != self.batch:
+            raise BadUsage(f"this export takes batches of {self.batch} prompt(s), got {ids.shape[0]}")
+        self._check_length(ids, mask)
+        pos = positions_from_mask(mask)
+        N, B = ids.shape[1], self.batch
+        C = int(self.settings["chunk"])
+        n_chunks = math.ceil(N / C)
+        if not self.dynamic and self.press is None and n_chunks * C >= min(self.caps):
+            raise BadUsage(f"prompt ({N} tokens, {n_chunks * C} with chunk padding) does not fit this full-cache "
+                           f"export's capacity {min(self.caps)}")
+        self.reset()
+        self.next_pos = pos.max(axis=1) + 1
+        if self.dynamic:
+            for c in range(0, N, C):
+                last = self._run_dynamic(ids[:, c:c + C], pos[:, c:c + C])
+            self.last_logits = last
+            return last.copy()
+        pad = n_chunks * C - N
+        ids_p = np.concatenate([ids, np.zeros((B, pad), np.int64)], axis=1)
+        pos_p = np.concatenate([pos, np.full((B, pad), -1, np.int64)], axis=1)
+        for c in range(n_chunks):
+            last_index = (N - 1 - c * C) if c == n_chunks - 1 else C - 1
+            self._run("prefill", self._feeds("prefill", input_ids=ids_p[:, c * C:(c + 1) * C],
+                                             positions=pos_p[:, c * C:(c + 1) * C],
+                                             last_index=np.array([last_index], np.int64),
+                                             fill=np.array(self.fill, np.int64)))
+            if self.press is not None:
+                compacted = any(f + C > b for f, b in zip(self.fill, self.budgets, strict=False))
+                self.fill = [min(f + C, b) for f, b in zip(self.fill, self.budgets, strict=False)]
+                if compacted:
+                    self._compacted(f"prefill:{c}")
+            else:
+                self.fill = [f + C for f in self.fill]
+        self.last_logits = self.logits.numpy().copy()
+        return self.last_logits.copy()
+
+    def decode(self, token) -> np.ndarray:
+        """Feed one token per sequence, ``token`` (B,) int (or an int for batch 1), at the next position; returns
+        its logits (B, V). A press export compacts (host-triggered) when any layer's cache is full."""
+        if getattr(self, "last_logits", None) is None:
+            raise BadUsage("decode() before prefill(); call prefill(input_ids) first")
+        tok = np.asarray(token, dtype=np.int64).reshape(self.batch)
+        pos = self.next_pos[:, None].astype(np.int64)
+        if self.dynamic:
+            last = self._run_dynamic(tok[:, None], pos)
+        else:
+            self._run("decode", self._feeds("decode", input_ids=tok[:, None], positions=pos,
+                                            slot=np.array(self.fill, np.int64)))
+            last = self.logits.numpy().copy()
+            self.fill = [f + 1 for f in self.fill]
+            if self.press is not None and any(f >= c for f, c in zip(self.fill, self.caps, strict=False)):
+                self._run("compact", self._feeds("compact", fill=np.array(self.fill, np.int64)))
+                self.fill = [min(f, b) for f, b in zip(self.fill, self.budgets, strict=False)]
+                self._compacted(f"decode:{self.step}")
+        self.step += 1
+        self.next_pos = self.next_pos + 1
+        self.last_logits = last
+        return last.copy()
+
+    def _feeds(self, graph: str, **candidates: np.ndarray) -> dict[str, np.ndarray]:
+        """The host inputs ``graph`` declares, out of ``candidates`` (cache tensors are bound separately)."""
+        names = set(self.settings["graphs"][graph]["inputs"])
+        missing = sorted(n for n in names if not n.endswith("_in") and n not in candidates)
+        if missing:
+            raise BadArtifact(f"{self.path}/{graph}.onnx wants inputs {missing} this runtime does not know; "
+                              "run it with a matching kvexport version")
+        return {k: v for k, v in candidates.items() if k in names}
+
+    def _run_dynamic(self, ids: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """One call of the growing-past graph; returns the last token's logits (B, V)."""
+        sess = self.sessions["model"]
+        names = self.settings["graphs"]["model"]["outputs"]
+        io = sess.io_binding()
+        io.bind_cpu_input("input_ids", np.ascontiguousarray(ids))
+        io.bind_cpu_input("positions", np.ascontiguousarray(pos))
+        io.bind_cpu_input("past_positions", np.ascontiguousarray(self._past_pos))
+        for name, v in self._past.items():
+            if isinstance(v, np.ndarray):
+                io.bind_cpu_input(name, v)
+            else:
+                io.bind_ortvalue_input(name, v)
+        for name in names:
+            io.bind_output(name, self.device)
+        sess.run_with_iobinding(io)
+        outs = dict(zip(names, io.get_outputs(), strict=False))
+        self._past = {n.replace("present_", "past_"): outs[n] for n in names
+                      if n.startswith("present_k") or n.startswith("present_v")}
+        self._past_pos = outs["present_positions"].numpy()
+        logits = outs["logits"].numpy()
+        return logits[:, -1] if logits.ndim == 3 else logits
+
+    def current_cache_bytes(self) -> int:
+        """Bytes of K/V cache held now (fixed for static exports; the growing past for the baseline)."""
+        if self.dynamic:
+            return sum(v.numpy().nbytes if not isinstance(v, np.ndarray) else v.nbytes for v in self._past.values())
+        return self.cache_bytes
+
     # ------------------------------------------------------------------ generation
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 32, eos_token_id: int | None = None,
-                 forced_tokens=None, track_kept: bool = True) -> OrtGenerationResult:
-        """Greedy decoding; ``forced_tokens (B, n)`` feeds those tokens instead of the argmax (teacher
-        forcing, for parity runs). Returns tokens, per-step logits and kept positions after each compaction."""
+                 forced_tokens=None, track_kept: bool = True, keep_logits: bool = False) -> OrtGenerationResult:
+        """Greedy decoding on top of :meth:`prefill` / :meth:`decode`.
+
+        ``forced_tokens (B, n)`` feeds those tokens instead of the argmax (teacher forcing, for parity runs).
+        ``keep_logits``: keep every decode step's logits (B, V) in ``step_logits`` (memory grows with the
+        steps; off by default). ``track_kept``: copy the kept positions after each compaction."""
         ids, mask = check_prompt(input_ids, attention_mask, max_new_tokens)
         if ids.shape[0] != self.batch:
             raise BadUsage(f"this export takes batches of {self.batch} prompt(s), got {ids.shape[0]}")
-        if self.dynamic:
-            return self._generate_dynamic(ids, mask, max_new_tokens, eos_token_id, forced_tokens)
-        return self._generate_static(ids, mask, max_new_tokens, eos_token_id, forced_tokens, track_kept)
+        if not self.dynamic and self.press is None:
+            C, N = int(self.settings["chunk"]), ids.shape[1]
+            n_chunks = math.ceil(N / C)
+            if n_chunks * C + max_new_tokens > min(self.caps):
+                raise BadUsage(f"prompt ({N} tokens, {n_chunks * C} with chunk padding) + {max_new_tokens} new tokens "
+                               f"do not fit this full-cache export's capacity {min(self.caps)}")
+        B = self.batch
+        res = OrtGenerationResult(tokens=np.zeros((B, 0), np.int64), prompt_logits=np.zeros(0))
+
+        def on_compaction(where, gen):
+            if track_kept:
+                res.kept_positions.append(gen.kept_positions())
+                res.compaction_steps.append(where)
+
+        previous, self.on_compaction = self.on_compaction, on_compaction
+        try:
+            t0 = time.perf_counter()
+            last = self.prefill(ids, mask)
+            res.prompt_logits = last
+            res.prefill_seconds = time.perf_counter() - t0
+            done = np.zeros(B, bool)
+            out = []
+            for step in range(max_new_tokens):
+                tok = self._next_token(last, step, forced_tokens, done, eos_token_id)
+                out.append(tok)
+                if step == max_new_tokens - 1 or (eos_token_id is not None and done.all()):
+                    break
+                t0 = time.perf_counter()
+                last = self.decode(tok)
+                res.decode_seconds.append(time.perf_counter() - t0)
+                if keep_logits:
+                    res.step_logits.append(last)
+        finally:
+            self.on_compaction = previous
+        res.tokens = np.stack(out, axis=1)
+        res.compactions = self.compactions
+        res.cache_bytes = self.current_cache_bytes()
+        return res
 
     def _next_token(self, last, step, forced, done, eos):
         tok = last.argmax(-1).astype(np.int64) if forced is None else _np(forced)[:, step].astype(np.int64)
@@ -220,124 +409,3 @@ class OrtGenerator:
             tok = np.where(done, eos, tok)
             done |= tok == eos
         return tok
-
-    def _generate_static(self, ids, mask, max_new, eos, forced, track_kept) -> OrtGenerationResult:
-        s = self.settings
-        C, B = int(s["chunk"]), self.batch
-        L = len(self.layers)
-        pos = positions_from_mask(mask)
-        N = ids.shape[1]
-        n_chunks = math.ceil(N / C)
-        if self.press is None and n_chunks * C + max_new > min(self.caps):
-            raise BadUsage(f"prompt ({N} tokens, {n_chunks * C} with chunk padding) + {max_new} new tokens do not "
-                           f"fit this full-cache export's capacity {min(self.caps)}")
-        pad = n_chunks * C - N
-        ids_p = np.concatenate([ids, np.zeros((B, pad), np.int64)], axis=1)
-        pos_p = np.concatenate([pos, np.full((B, pad), -1, np.int64)], axis=1)
-        self.reset()
-        t0 = time.perf_counter()
-        fill = [0] * L
-        res = OrtGenerationResult(tokens=np.zeros((B, 0), np.int64), prompt_logits=np.zeros(0))
-        for c in range(n_chunks):
-            last_index = (N - 1 - c * C) if c == n_chunks - 1 else C - 1
-            self._run("prefill", {"input_ids": ids_p[:, c * C : (c + 1) * C], "positions": pos_p[:, c * C : (c + 1) * C],
-                                  "last_index": np.array([last_index], np.int64), "fill": np.array(fill, np.int64)})
-            if self.press is not None:
-                compacted = any(f + C > b for f, b in zip(fill, self.budgets, strict=False))
-                fill = [min(f + C, b) for f, b in zip(fill, self.budgets, strict=False)]
-                if compacted:
-                    res.compactions += 1
-                    if track_kept:
-                        res.kept_positions.append(self._positions_now())
-                        res.compaction_steps.append(f"prefill:{c}")
-            else:
-                fill = [f + C for f in fill]
-        last = self.logits.numpy().copy()
-        res.prompt_logits = last
-        res.prefill_seconds = time.perf_counter() - t0
-        next_pos = pos.max(axis=1) + 1
-        done = np.zeros(B, bool)
-        out = []
-        for step in range(max_new):
-            tok = self._next_token(last, step, forced, done, eos)
-            out.append(tok)
-            if step == max_new - 1 or (eos is not None and done.all()):
-                break
-            t0 = time.perf_counter()
-            self._run("decode", {"input_ids": tok[:, None], "positions": next_pos[:, None].astype(np.int64),
-                                 "slot": np.array(fill, np.int64)})
-            last = self.logits.numpy().copy()
-            res.step_logits.append(last)
-            fill = [f + 1 for f in fill]
-            if self.press is not None and any(f >= c for f, c in zip(fill, self.caps, strict=False)):
-                self._run("compact", {"fill": np.array(fill, np.int64)})
-                fill = [min(f, b) for f, b in zip(fill, self.budgets, strict=False)]
-                res.compactions += 1
-                if track_kept:
-                    res.kept_positions.append(self._positions_now())
-                    res.compaction_steps.append(f"decode:{step}")
-            res.decode_seconds.append(time.perf_counter() - t0)
-            next_pos = next_pos + 1
-        res.tokens = np.stack(out, axis=1)
-        res.cache_bytes = self.cache_bytes
-        return res
-
-    def _generate_dynamic(self, ids, mask, max_new, eos, forced) -> OrtGenerationResult:
-        sess = self.sessions["model"]
-        g = self.settings["graphs"]["model"]
-        B = self.batch
-        pos = positions_from_mask(mask)
-        past = {}
-        for inp in sess.get_inputs():
-            if inp.name.startswith("past_") and inp.name != "past_positions":
-                shp = list(inp.shape)
-                shp[0], shp[2] = B, 0
-                past[inp.name] = np.zeros(shp, self.dtype)
-        past_pos = np.zeros((B, 0), np.int64)
-        C = int(self.settings["chunk"])
-        chunks = [(ids[:, c : c + C], pos[:, c : c + C]) for c in range(0, ids.shape[1], C)]  # prefill in chunks
-        res = OrtGenerationResult(tokens=np.zeros((B, 0), np.int64), prompt_logits=np.zeros(0))
-        next_pos = pos.max(axis=1) + 1
-        done = np.zeros(B, bool)
-        out = []
-        last = None
-        step = -1
-        t0 = time.perf_counter()
-        while True:
-            feeds_ids, feeds_pos = chunks.pop(0)
-            io = sess.io_binding()
-            io.bind_cpu_input("input_ids", np.ascontiguousarray(feeds_ids))
-            io.bind_cpu_input("positions", np.ascontiguousarray(feeds_pos))
-            io.bind_cpu_input("past_positions", np.ascontiguousarray(past_pos))
-            for name, v in past.items():
-                if isinstance(v, np.ndarray):
-                    io.bind_cpu_input(name, v)
-                else:
-                    io.bind_ortvalue_input(name, v)
-            for name in g["outputs"]:
-                io.bind_output(name, self.device)
-            sess.run_with_iobinding(io)
-            outs = dict(zip(g["outputs"], io.get_outputs(), strict=False))
-            past = {n.replace("present_", "past_"): outs[n] for n in g["outputs"] if n.startswith("present_k")
-                    or n.startswith("present_v")}
-            past_pos = outs["present_positions"].numpy()
-            if chunks:  # more prompt to feed
-                continue
-            last = outs["logits"].numpy()
-            if step < 0:
-                res.prompt_logits = last
-                res.prefill_seconds = time.perf_counter() - t0
-            else:
-                res.step_logits.append(last)
-                res.decode_seconds.append(time.perf_counter() - t0)
-            step += 1
-            tok = self._next_token(last, step, forced, done, eos)
-            out.append(tok)
-            if step == max_new - 1 or (eos is not None and done.all()):
-                break
-            chunks.append((tok[:, None], next_pos[:, None].astype(np.int64)))
-            t0 = time.perf_counter()
-            next_pos = next_pos + 1
-        res.tokens = np.stack(out, axis=1)
-        res.cache_bytes = sum(v.numpy().nbytes for v in past.values()) if past else 0
-        return res

@@ -39,12 +39,14 @@ class PeakRSS:
         self.interval_s = float(interval_s)
         self.start = 0
         self.peak = 0
+        self.samples = 0  # samples taken by the thread so far
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.peak = max(self.peak, rss_bytes())
+            self.samples += 1
 
     def __enter__(self) -> "PeakRSS":
         self.start = self.peak = rss_bytes()

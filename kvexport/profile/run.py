@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvexport.convert import layout
+from kvexport.atomic import atomic_write_bytes
 from kvexport.errors import BadArtifact, BadUsage
 from kvexport.profile.kv_bytes import CacheShape, cache_table, full_cache_of
 from kvexport.profile.profiler import environment, profile_runner
@@ -210,9 +211,7 @@ def profile_dir(d: str | Path, backend: str = "onnxruntime", contexts: list[int]
     }
     if write:
         target = d / layout.PROFILE_JSON if write is True else Path(write)
-        tmp = target.with_name(target.name + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2))
-        tmp.replace(target)
+        atomic_write_bytes(target, json.dumps(result, indent=2).encode("utf-8"))
     return result
 
 

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvexport.atomic import atomic_write_bytes
 from kvexport.report.collect import collect, normalize_parity
 from kvexport.report.plots import make_plots
 from kvexport.report.render import render_html, render_md, verdict_text
@@ -47,9 +48,7 @@ def write_report(out_dir: str | Path) -> dict[str, Any]:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+    atomic_write_bytes(path, data)  # a temporary sibling, renamed on success, removed on any error
 
 
 __all__ = ["write_report", "collect", "normalize_parity", "make_plots", "render_html", "render_md", "REPORT_FILES"]

@@ -150,9 +150,49 @@ def test_runtime_buffers_are_allocated_once(exported):
     ptrs = {n: [b.data_ptr() for b in pair] for n, pair in gen.buffers.items()}
     logits_ptr = gen.logits.data_ptr()
     ids = np.random.default_rng(0).integers(3, 4096, (1, 37))
-    res = gen.generate(ids, None, 40)
+    res = gen.generate(ids, None, 40, keep_logits=True)
     assert res.compactions > 3  # prefill and decode compactions happened
     assert {n: [b.data_ptr() for b in pair] for n, pair in gen.buffers.items()} == ptrs
     assert gen.logits.data_ptr() == logits_ptr
-    again = gen.generate(ids, None, 40)  # buffers are reset between generations
+    again = gen.generate(ids, None, 40, keep_logits=True)  # buffers are reset between generations
     np.testing.assert_array_equal(again.tokens, res.tokens)
+
+
+def test_press_export_refuses_a_prompt_past_max_positions(exported):
+    """A press export still has a position range (here the model's 256): a longer prompt is BadUsage."""
+    from kvexport.errors import BadUsage
+    from kvexport.export import OrtGenerator
+
+    gen = OrtGenerator(exported)
+    assert gen.settings["max_positions"] == 256 and gen.press is not None
+    ids = np.random.default_rng(0).integers(3, 4096, (1, 400))
+    with pytest.raises(BadUsage, match="prompt of 400 tokens exceeds the export's maximum 256"):
+        gen.generate(ids, None, 2)
+    with pytest.raises(BadUsage, match="exceeds the export's maximum 256"):
+        gen.prefill(ids)
+
+
+def test_step_api_matches_generate(exported):
+    """prefill/decode driven by hand == generate (tokens, logits, compaction count and kept positions)."""
+    from kvexport.export import OrtGenerator
+
+    gen = OrtGenerator(exported)
+    ids = np.random.default_rng(4).integers(3, 4096, (1, 21))
+    res = gen.generate(ids, None, 15, keep_logits=True)
+    seen = []
+    gen.on_compaction = lambda where, g: seen.append((where, g.kept_positions()))
+    last = gen.prefill(ids)
+    np.testing.assert_array_equal(last, res.prompt_logits)
+    toks, logits = [int(last.argmax(-1)[0])], []
+    for _ in range(14):
+        last = gen.decode(toks[-1])
+        logits.append(last)
+        toks.append(int(last.argmax(-1)[0]))
+    np.testing.assert_array_equal(np.array([toks]), res.tokens)
+    np.testing.assert_array_equal(np.stack(logits), np.stack(res.step_logits))
+    assert gen.compactions == res.compactions == len(seen) > 0
+    assert [w for w, _ in seen] == res.compaction_steps
+    for (_, a), b in zip(seen, res.kept_positions, strict=True):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(x, y)
+    assert not gen.generate(ids, None, 15).step_logits  # nothing kept per step unless asked

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvexport.errors import BadArtifact, BadUsage
-from kvexport.export.manifest import atomic_output, sha256_file, verify_manifest, write_manifest
+from kvexport.export.manifest import atomic_output, check_out_dir, sha256_file, verify_manifest, write_manifest
 
 
 def _artifact(root):
@@ -97,3 +97,18 @@ def test_atomic_output_refuses_file_and_unwritable(tmp_path):
                 pass
     finally:
         ro.chmod(0o700)
+
+
+def test_out_under_a_file_says_it_is_a_file(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(BadUsage, match=r"afile is a file"):
+        check_out_dir(f / "sub", force=False)
+
+
+def test_package_validate_is_the_function():
+    import kvexport.export
+    from kvexport.export import validate
+    from kvexport.export.validation import validate as fn
+
+    assert validate is fn and kvexport.export.validate is fn and callable(validate)

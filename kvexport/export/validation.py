@@ -113,7 +113,7 @@ def make_runners(decoder, press, settings: dict, generator, batch: int, known: d
             t0 = time.perf_counter()
             f = feed_dict["forced_tokens"]
             self.last = generator.generate(feed_dict["input_ids"], feed_dict["attention_mask"], f.shape[1],
-                                           forced_tokens=f)
+                                           forced_tokens=f, keep_logits=True)
             self.inference_time = time.perf_counter() - t0
             return _outputs(self.last)
 
