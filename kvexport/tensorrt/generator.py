@@ -1,0 +1,186 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Generation with TensorRT engines: the step API of :class:`kvexport.export.runtime.OrtGenerator` on engines.
+
+``TrtGenerator(export_dir, engines=None, plugins=None)`` reads the export's manifest (settings, host rules) and
+the engine folder ``kvexport build-engine`` wrote (default ``EXPORT_DIR-tensorrt``: ``<graph>.engine`` per ONNX
+graph, ``engines.json``, its own ``manifest.json`` recording the sha256 of the export's manifest). The host side
+(chunked prefill, decode at slot ``fill``, host-triggered compaction, ``kept_positions``, ``on_compaction``) is
+inherited from ``OrtGenerator``; only the graph calls differ: each graph runs through a
+:class:`~kvexport.tensorrt.runner.TensorRTRunner` (or any object with Polygraphy's ``infer(feed_dict)``), and
+the caches stay on the device between calls (each call's ``*_out`` tensors become the next call's ``*_in``).
+Static-cache exports only (the growing-past baseline has no fixed shapes to build engines for).
+
+Without TensorRT or a CUDA GPU, constructing one raises :class:`~kvexport.errors.MissingBackend` with one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from kvexport.errors import BadArtifact, MissingBackend
+from kvexport.export.manifest import MANIFEST, sha256_file, verify_manifest
+from kvexport.export.manifest import ONNX_EXPORT as KIND
+from kvexport.export.runtime import NP_DTYPES, OrtGenerator
+
+ENGINE_KIND = "tensorrt-engines"
+
+
+def default_engine_dir(export_dir: str | Path) -> Path:
+    """Where ``kvexport build-engine EXPORT_DIR`` puts the engines: ``EXPORT_DIR-tensorrt`` beside it."""
+    p = Path(export_dir)
+    return p.with_name(p.name + "-tensorrt")
+
+
+def verify_engine_dir(export_dir: Path, engines: Path) -> dict[str, Any]:
+    """Check the engine folder against its manifest and against the export it was built from."""
+    if not engines.is_dir():
+        raise BadArtifact(f"no TensorRT engines at {engines}; build them with `kvexport build-engine {export_dir}` "
+                          "(or give --engines PATH)")
+    man = verify_manifest(engines, ENGINE_KIND)
+    want = man.get("settings", {}).get("export_manifest_sha256")
+    if want is not None and want != sha256_file(export_dir / MANIFEST):
+        raise BadArtifact(f"the engines in {engines} were built from another version of {export_dir}; "
+                          f"rebuild them with `kvexport build-engine {export_dir}`")
+    return man
+
+
+def _to_numpy(x) -> np.ndarray:
+    if hasattr(x, "detach"):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+class TrtGenerator(OrtGenerator):
+    """Greedy generation / step API on TensorRT engines (same host rules and results as ``OrtGenerator``).
+
+    runner_factory(engine_path, plugins) -> a Polygraphy-style runner (context manager with ``infer``); the
+    default is :class:`~kvexport.tensorrt.runner.TensorRTRunner`, which needs TensorRT and a CUDA GPU.
+    """
+
+    backend = "tensorrt"
+
+    def __init__(self, path: str | Path, engines: str | Path | None = None, plugins: str | Path | None = None,
+                 runner_factory: Callable | None = None):
+        self.path = Path(path)
+        if runner_factory is None:
+            runner_factory = _real_runner_factory()  # MissingBackend first: what is missing matters most
+        self.manifest = verify_manifest(self.path, KIND)
+        self.settings = s = self.manifest["settings"]
+        if s["mode"] != "static":
+            raise BadArtifact(f"{self.path} is a growing-past (--dynamic-cache) export; the tensorrt backend runs "
+                              "static-cache exports (use --backend onnxruntime for the baseline)")
+        self.engine_dir = Path(engines) if engines is not None else default_engine_dir(self.path)
+        self.engine_manifest = verify_engine_dir(self.path, self.engine_dir)
+        graphs = {name: g for name, g in s["graphs"].items() if isinstance(g, dict) and "file" in g}
+        self.runners = {}
+        for name, g in graphs.items():
+            eng = self.engine_dir / (Path(g["file"]).stem + ".engine")
+            if not eng.is_file():
+                raise BadArtifact(f"{self.engine_dir} has no {eng.name} for {g['file']}; rebuild with "
+                                  f"`kvexport build-engine {self.path}`")
+            r = runner_factory(eng, plugins)
+            r.activate()
+            self.runners[name] = r
+        self.providers = ["TensorRT"]
+        self.device = "cuda"
+        self.batch = int(s["batch"])
+        self.dtype = NP_DTYPES[s["dtype"]]
+        self.dynamic = False
+        self.press = s["press"]
+        self.on_compaction = None
+        self.last_logits = None
+        self._alloc()
+        self.reset()
+
+    def close(self) -> None:
+        for r in self.runners.values():
+            r.deactivate()
+        self.runners = {}
+
+    def __enter__(self) -> "TrtGenerator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ buffers: one live tensor per cache input
+    def _alloc(self) -> None:
+        s = self.settings
+        B, W = self.batch, int(s["window"])
+        self.layers = s["graphs"]["layers"]
+        self.budgets = [int(x["budget"]) for x in self.layers]
+        self.caps = [int(x["capacity"]) for x in self.layers]
+        self.initial: dict[str, np.ndarray] = {}
+        for i, ly in enumerate(self.layers):
+            H, cap = ly["heads"], ly["capacity"]
+            self.initial[f"k_{i}"] = np.zeros((B, H, cap, ly["key_dim"]), self.dtype)
+            self.initial[f"v_{i}"] = np.zeros((B, H, cap, ly["value_dim"]), self.dtype)
+            self.initial[f"pos_{i}"] = np.full((B, H, cap), -1, np.int64)
+            if self.press is not None:
+                self.initial[f"qbuf_{i}"] = np.zeros((B, ly["q_heads"], W, ly["q_dim"]), self.dtype)
+        if self.press is not None:
+            self.initial["qpos"] = np.full((B, W), -1, np.int64)
+        self.cache_bytes = sum(a.nbytes for n, a in self.initial.items() if n[0] in "kv")
+        self.state: dict[str, Any] = {}
+        self._logits = None
+
+    def _reset_buffers(self) -> None:
+        self.state = {n: a.copy() for n, a in self.initial.items()}  # moved to the device by the first call
+
+    def _call(self, graph: str, feeds: dict) -> dict:
+        r = self.runners[graph]
+        try:
+            return r.infer(feeds, check_inputs=False, copy_outputs_to_host=False)
+        except TypeError:  # a runner whose infer_impl takes no copy flag
+            return r.infer(feeds, check_inputs=False)
+
+    def _run(self, graph: str, feeds: dict[str, np.ndarray]) -> None:
+        g = self.settings["graphs"][graph]
+        feed = dict(feeds)
+        for name in g["inputs"]:
+            if name.endswith("_in"):
+                feed[name] = self.state[name[:-3]]
+        out = self._call(graph, feed)
+        for name in g["outputs"]:
+            if name == "logits":
+                self._logits = out[name]
+            elif name.endswith("_out"):
+                self.state[name[:-4]] = out[name]
+
+    @property
+    def logits(self):  # what OrtGenerator reads with .numpy()
+        return _HostView(self._logits)
+
+    def _positions_now(self) -> list[np.ndarray]:
+        return [_to_numpy(self.state[f"pos_{i}"]).copy() for i in range(len(self.layers))]
+
+class _HostView:
+    """``.numpy()`` on a device or host tensor (what the inherited host logic calls on ``self.logits``)."""
+
+    def __init__(self, x):
+        self.x = x
+
+    def numpy(self) -> np.ndarray:
+        return _to_numpy(self.x)
+
+
+def _real_runner_factory() -> Callable:
+    from kvexport.tensorrt.backend import import_tensorrt
+
+    import_tensorrt()  # MissingBackend (exit 5) with the install hint
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        raise MissingBackend("the tensorrt backend needs PyTorch with CUDA for its device buffers") from None
+    if not torch.cuda.is_available():
+        raise MissingBackend("the tensorrt backend needs an NVIDIA GPU (torch.cuda.is_available() is False); run "
+                             "on a machine with a GPU and a CUDA build of PyTorch, or use --backend onnxruntime")
+    from kvexport.tensorrt.runner import TensorRTRunner
+
+    return lambda engine, plugins: TensorRTRunner(engine, plugins)
+
+
+__all__ = ["TrtGenerator", "default_engine_dir", "verify_engine_dir", "ENGINE_KIND"]
