@@ -25,13 +25,15 @@ def _root(
 
 
 # subcommand modules register themselves on import
-from kvexport.cli import generate_cmd  # noqa: E402,F401
-from kvexport.cli import trt_cmds  # noqa: E402,F401
-from kvexport.cli import convert_cmds  # noqa: E402,F401
-from kvexport.cli import mla_cmds  # noqa: E402,F401
-from kvexport.cli import export_cmds  # noqa: E402,F401
-from kvexport.cli import eval_cmds  # noqa: E402,F401
-from kvexport.cli import bench_cmd  # noqa: E402,F401
+from kvexport.cli import (
+    bench_cmd,  # noqa: E402,F401
+    convert_cmds,  # noqa: E402,F401
+    eval_cmds,  # noqa: E402,F401
+    export_cmds,  # noqa: E402,F401
+    generate_cmd,  # noqa: E402,F401
+    mla_cmds,  # noqa: E402,F401
+    trt_cmds,  # noqa: E402,F401
+)
 
 
 def main(argv: list[str] | None = None) -> int:

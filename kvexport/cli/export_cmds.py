@@ -60,15 +60,20 @@ def validate_cmd(
     steps: int = typer.Option(64, help="Decode steps per prompt."),
     atol: Optional[float] = typer.Option(None, help="Absolute logit tolerance (default fp32 1e-4, fp16 5e-2)."),
     rtol: Optional[float] = typer.Option(None, help="Relative logit tolerance (default fp32 1e-3, fp16 5e-2)."),
+    backend: str = typer.Option("onnxruntime", help="onnxruntime (pytorch~onnxruntime) or tensorrt (adds "
+                                "onnxruntime~tensorrt and pytorch~tensorrt; needs engines from `kvexport build-engine`)."),
+    engines: Optional[Path] = typer.Option(None, help="TensorRT engine folder (default: DIR-tensorrt)."),
 ) -> None:
-    """Compare the ONNX graphs (onnxruntime) with the PyTorch model; writes DIR/parity.json, exit 6 on failure."""
+    """Compare the ONNX graphs (onnxruntime, optionally TensorRT) with the PyTorch model; writes DIR/parity.json,
+    exit 6 on failure."""
     from rich.console import Console
     from rich.table import Table
 
     from kvexport.errors import ParityFailure
     from kvexport.export.validation import PARITY_FILE, validate
 
-    rep = validate(directory, prompts=list(prompt) or None, steps=steps, atol=atol, rtol=rtol, model=model)
+    rep = validate(directory, prompts=list(prompt) or None, steps=steps, atol=atol, rtol=rtol, model=model,
+                   backend=backend, engines=engines)
     t = Table(title=f"parity: {directory}")
     for col in ("pair", "max abs", "max rel", "tokens", "kept idx", "steps", "atol", "rtol", "passed"):
         t.add_column(col)
@@ -82,18 +87,35 @@ def validate_cmd(
         raise ParityFailure(f"{', '.join(failed)} outside tolerance; details in {Path(directory) / PARITY_FILE}")
 
 
-def generate_from_export(directory: Path, prompts: list[str], max_new_tokens: int) -> None:
-    """``kvexport generate DIR``: greedy generation with onnxruntime from an export directory."""
+def open_generator(directory: Path, backend: str = "onnxruntime", engines: Path | None = None):
+    """The step runner of an export directory on ``backend`` (onnxruntime | tensorrt)."""
+    from kvexport.errors import BadUsage
+
+    if backend == "onnxruntime":
+        if engines is not None:
+            raise BadUsage("--engines is for --backend tensorrt")
+        from kvexport.export.runtime import OrtGenerator
+
+        return OrtGenerator(directory)
+    if backend == "tensorrt":
+        from kvexport.tensorrt.generator import TrtGenerator
+
+        return TrtGenerator(directory, engines=engines)
+    raise BadUsage(f"--backend {backend!r} is not one of: onnxruntime, tensorrt")
+
+
+def generate_from_export(directory: Path, prompts: list[str], max_new_tokens: int, backend: str = "onnxruntime",
+                         engines: Path | None = None) -> None:
+    """``kvexport generate DIR``: greedy generation from an export directory (onnxruntime or TensorRT engines)."""
     import time
 
     from rich.console import Console
 
     from kvexport.cli.common import encode_prompts
     from kvexport.errors import BadUsage
-    from kvexport.export.runtime import OrtGenerator
     from kvexport.models.loading import load_tokenizer
 
-    gen = OrtGenerator(directory)
+    gen = open_generator(directory, backend, engines)
     s = gen.settings
     tok = load_tokenizer(directory / s["tokenizer"]) if s.get("tokenizer") else None
     if tok is None:
@@ -108,5 +130,5 @@ def generate_from_export(directory: Path, prompts: list[str], max_new_tokens: in
     console = Console()
     for i in range(ids.shape[0]):
         console.print(f"[bold]{prompts[i][:60]!r}[/] -> {tok.decode(res.tokens[i].tolist())!r}", highlight=False)
-    console.print(f"[dim]{res.tokens.shape[1]} tokens in {dt:.2f}s with onnxruntime ({gen.providers[0]}); "
+    console.print(f"[dim]{res.tokens.shape[1]} tokens in {dt:.2f}s with {backend} ({gen.providers[0]}); "
                   f"{s['mode']} cache {res.cache_bytes / 1024:.1f} KiB; {res.compactions} compactions[/]")

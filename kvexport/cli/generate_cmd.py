@@ -26,6 +26,9 @@ def generate_cmd(
     chunk: Optional[int] = typer.Option(None, help="Prefill in chunks of this many tokens (bounded peak memory)."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", help="Tokens to generate."),
     dtype: str = typer.Option("fp32", help="fp32, fp16 or bf16."),
+    backend: str = typer.Option("onnxruntime", help="For an export directory: onnxruntime or tensorrt."),
+    engines: Optional[Path] = typer.Option(None, help="TensorRT engine folder (default: DIR-tensorrt, written by "
+                                           "`kvexport build-engine DIR`)."),
 ) -> None:
     """Generate text greedily with a static-capacity KV cache (capacity = budget + window per layer)."""
     from rich.console import Console
@@ -46,7 +49,10 @@ def generate_cmd(
     if model is not None and not is_mla_dir(model) and (Path(model) / "manifest.json").is_file():  # an ONNX export
         from kvexport.cli.export_cmds import generate_from_export
 
-        return generate_from_export(Path(model), prompts, max_new_tokens)
+        return generate_from_export(Path(model), prompts, max_new_tokens, backend=backend, engines=engines)
+    if backend != "onnxruntime" or engines is not None:
+        raise BadUsage("--backend/--engines apply to an export directory (`kvexport export` output); "
+                       f"{model or 'the bundled model'} is a PyTorch model directory")
     model_path = resolve_model(model)
     # config and weights first: the tokenizer would blame itself for a bad config or a damaged directory
     if is_mla_dir(model_path):

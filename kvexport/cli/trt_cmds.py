@@ -9,8 +9,7 @@ from typing import Optional
 import typer
 
 from kvexport.cli import app
-
-ENGINE_KIND = "tensorrt-engines"
+from kvexport.tensorrt.generator import ENGINE_KIND  # noqa: E402
 
 
 @app.command("build-engine")

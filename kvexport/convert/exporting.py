@@ -27,7 +27,9 @@ def export_converted(st) -> Path:
     press = cfg.press if cfg.uses_press else None
     kw = _kwargs(export_model, press=press, budget=cfg.budget if press else None,
                  window=cfg.window if press else 32, chunk=cfg.chunk, dtype="fp16" if cfg.fp16 else "fp32",
-                 ops="custom", force=False, max_positions=cfg.max_positions)
+                 ops="custom", force=False, max_positions=cfg.max_positions,
+                 source=st.work / layout.MLA_DIR if st.mla_decoder is not None else None,
+                 tokenizer_dir=st.model_path)
     return export_model(model, st.work / layout.ONNX_DIR, **kw)
 
 
@@ -49,8 +51,7 @@ def run_validate(st) -> dict[str, Any]:
     from kvexport.export.validation import validate
 
     exp = st.work / layout.ONNX_DIR
-    ref = st.mla_decoder  # None: validate loads the manifest's source model itself
-    kw = _kwargs(validate, model=ref, steps=st.cfg.validate_steps, write=False, raise_on_failure=False)
+    kw = _kwargs(validate, steps=st.cfg.validate_steps, write=False, raise_on_failure=False)
     return validate(exp, **kw)
 
 

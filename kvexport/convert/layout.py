@@ -9,6 +9,8 @@
     DIR/parity.json       validation per backend pair (copied from onnx/parity.json)
     DIR/profile.json      latency, memory, cache accounting (``kvexport profile DIR``)
     DIR/report.html       self-contained report; report.md + plots/*.png; report.json
+    DIR/manifest.json     sha256 of the top-level files above (convert.json, parity.json, profile.json,
+                          report.*, plots/*); the sub-directories carry their own manifests
 """
 
 from __future__ import annotations
@@ -53,6 +55,63 @@ def read_manifest(export_dir: str | Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+CONVERSION_KIND = "kvexport-conversion"
+#: top-level files a conversion lists in DIR/manifest.json (the writers update their own entries)
+OUTPUT_FILES = (CONVERT_JSON, PARITY_JSON, PROFILE_JSON, "report.html", "report.md", "report.json")
+#: sub-directories with their own manifest.json, verified by the readers (report, profile)
+VERIFIED_SUBDIRS = (ONNX_DIR, BASELINE_DIR, ENGINE_DIR)
+
+
+def is_conversion(d: str | Path) -> bool:
+    return (Path(d) / CONVERT_JSON).is_file()
+
+
+def record_outputs(d: str | Path) -> Path:
+    """Write DIR/manifest.json listing the sha256 of the conversion's top-level outputs present now."""
+    from kvexport.atomic import atomic_write_bytes
+    from kvexport.export.manifest import _version, sha256_file
+
+    d = Path(d)
+    names = [n for n in OUTPUT_FILES if (d / n).is_file()]
+    names += sorted(p.relative_to(d).as_posix() for p in (d / "plots").glob("*.png"))
+    doc = {"format": 1, "kind": CONVERSION_KIND, "kvexport_version": _version(),
+           "files": {n: sha256_file(d / n) for n in names}}
+    path = d / MANIFEST
+    atomic_write_bytes(path, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode())
+    return path
+
+
+def has_outputs_manifest(d: str | Path) -> bool:
+    """DIR/manifest.json is a conversion's outputs record (written when ``kvexport convert`` finished)."""
+    m = read_manifest(d)
+    return m is not None and m.get("kind") == CONVERSION_KIND
+
+
+REPORT_OUTPUTS = ("report.html", "report.md", "report.json", "plots/")
+
+
+def verify_conversion(d: str | Path, rewrites: tuple[str, ...] = ()) -> None:
+    """BadArtifact naming the first missing or altered file: the top-level outputs listed in DIR/manifest.json,
+    then every sub-directory's own manifest (onnx/, baseline/, engine/). ``rewrites``: outputs the caller is
+    about to write again (names, or folder prefixes ending in "/"), not checked."""
+    from kvexport.export.manifest import sha256_file, verify_manifest
+
+    d = Path(d)
+    top = read_manifest(d)
+    if top is not None and top.get("kind") == CONVERSION_KIND:
+        for rel, digest in sorted((top.get("files") or {}).items()):
+            if any(rel == r or (r.endswith("/") and rel.startswith(r)) for r in rewrites):
+                continue
+            if not (d / rel).is_file():
+                raise BadArtifact(f"{d} is missing {rel} (listed in {MANIFEST})")
+            if sha256_file(d / rel) != digest:
+                raise BadArtifact(f"{d}/{rel} was altered (sha256 differs from {MANIFEST})")
+    finished = top is not None and top.get("kind") == CONVERSION_KIND
+    for sub in VERIFIED_SUBDIRS:  # a finished conversion's onnx/ must carry its manifest; others when they have one
+        if (d / sub).is_dir() and ((d / sub / MANIFEST).is_file() or (sub == ONNX_DIR and finished)):
+            verify_manifest(d / sub)
+
+
 def export_dir_of(d: str | Path) -> Path:
     """The exported graphs of ``d``: ``d/onnx`` for a convert directory, ``d`` itself for a plain export."""
     d = Path(d)
@@ -62,4 +121,5 @@ def export_dir_of(d: str | Path) -> Path:
 
 
 __all__ = ["CONVERT_JSON", "ONNX_DIR", "BASELINE_DIR", "ENGINE_DIR", "MLA_DIR", "PARITY_JSON", "PROFILE_JSON",
-           "MANIFEST", "read_convert_json", "read_manifest", "export_dir_of"]
+           "MANIFEST", "CONVERSION_KIND", "OUTPUT_FILES", "read_convert_json", "is_conversion", "record_outputs",
+           "verify_conversion", "has_outputs_manifest", "REPORT_OUTPUTS", "read_manifest", "export_dir_of"]

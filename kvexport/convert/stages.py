@@ -216,6 +216,12 @@ def stage_engine(st: ConvertState) -> str:
     reports = [build_engine(g, out / (g.stem + ".engine"), fp16=st.cfg.fp16)
                for g in find_onnx_graphs(st.work / layout.ONNX_DIR)]
     write_build_record(out, reports)
+    from kvexport.export.manifest import MANIFEST, sha256_file, write_manifest
+    from kvexport.tensorrt.generator import ENGINE_KIND
+
+    onnx_manifest = st.work / layout.ONNX_DIR / MANIFEST
+    write_manifest(out, ENGINE_KIND, {"tensorrt": reports[0].tensorrt if reports else None, "fp16": st.cfg.fp16,
+                                      "export_manifest_sha256": sha256_file(onnx_manifest)})
     return f"{len(reports)} engines, {_dir_size(out) / 2**20:.1f} MiB, TensorRT {reports[0].tensorrt if reports else '?'}"
 
 
@@ -246,7 +252,7 @@ def stage_profile(st: ConvertState) -> str:
     backend = "onnxruntime"
     if st.cfg.target == "tensorrt" and st.engine_missing is None:
         try:
-            from kvexport.tensorrt import TrtGenerator  # type: ignore[attr-defined]  # noqa: F401
+            from kvexport.tensorrt import TrtGenerator  # noqa: F401
 
             backend = "tensorrt"
         except ImportError:  # engines built, but no step-wise TensorRT runtime to time them with
@@ -335,6 +341,7 @@ def run_convert(cfg: ConvertConfig, out: str | Path, force: bool = False, consol
         records = pipe.run()
         cj = convert_json(st, records)
         _write_json(st.work / layout.CONVERT_JSON, cj)
+        layout.record_outputs(st.work)  # sha256 of convert.json, parity.json, profile.json, report.*
     if st.engine_missing:
         raise MissingBackend(f"--target tensorrt: {st.engine_missing}; kept the ONNX result in {out} "
                              "(--allow-partial), no engine was built")

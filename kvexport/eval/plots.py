@@ -85,7 +85,9 @@ def plot_mla_study(result: dict, path) -> None:
         ax.set_title(f"distilled on {int(b):,} tokens", fontsize=10)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("accuracy (mean of next-token, code recall, passkey)")
-    axes[0][0].legend(fontsize=8)
+    lo, hi = axes[0][0].get_ylim()
+    axes[0][0].set_ylim(lo, hi + 0.35 * (hi - lo))  # headroom for the legend above the baseline
+    axes[0][0].legend(fontsize=8, loc="upper right", ncol=2)
     fig.suptitle(f"MLA upcycling of {result['student']} (d_rope={result['ranks'][0]['rope_dim']})"
                  f"{' (quick run)' if result.get('quick') else ''}", fontsize=10)
     fig.tight_layout()

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -260,7 +261,8 @@ def cache_examples(shapes: list[graphs.LayerShape], batch: int, window: int, wit
 def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio: float | None = None,
                  window: int = 32, mla_rank: int | None = None, rope_dim: int | None = None, batch: int = 1,
                  chunk: int = 128, dtype: str = "fp32", ops: str = "custom", dynamic_cache: bool = False,
-                 force: bool = False, max_positions: int | None = None) -> Path:
+                 force: bool = False, max_positions: int | None = None, source: str | Path | None = None,
+                 tokenizer_dir: str | Path | None = None) -> Path:
     """Export ``model`` to ``out_dir`` (written atomically; see the module docstring for the layout).
 
     model: HF model directory, in-memory HF ``*ForCausalLM``, or a kvexport Decoder (MLA-rewritten or not).
@@ -269,6 +271,10 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
     mla_rank/rope_dim: rewrite to MLA first (X-EcoMLA SVD init), decode through LatentAttention.
     batch/chunk: static batch and prefill chunk; dtype "fp32"/"fp16"; ops "custom" (kvexport nodes backed
     by local functions) or "standard" (the functions inlined). Returns the output directory.
+    source: for an in-memory ``model``, the directory its reference model lives in (an HF or saved MLA
+    directory holding the same weights): recorded in the manifest (absolute, and relative to the export so a
+    moved conversion still finds it), so ``validate`` needs no ``model=``. tokenizer_dir: where to copy the
+    tokenizer from (default: ``source``, or the model directory).
     """
     opsel = ops
     from kvexport.export import ops as ops_mod
@@ -285,6 +291,14 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
     if dynamic_cache and p is not None:
         raise BadUsage("--dynamic-cache is the full-cache baseline; it takes --press none")
     dec, src, model_hash, mla = resolve_decoder(model, dtype, mla_rank, rope_dim)
+    if source is not None:
+        if src is not None:
+            raise BadUsage("source= is for an in-memory model; a model directory is its own source")
+        source = Path(source)
+        if not source.is_dir():
+            raise BadUsage(f"source {source} is not a directory (give the HF or MLA directory of the model)")
+        src = source
+        model_hash = _hash_model(dec, source)  # what validate recomputes when it loads the source
     spec = dec.spec
     L = spec.num_layers
     limit = spec.max_position_embeddings
@@ -311,6 +325,7 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
         "press": press_to_dict(p), "mla": mla, "dtype": dtype, "ops": opsel, "opset": ops_mod.OPSET,
         "custom_domain": {ops_mod.DOMAIN: ops_mod.OP_VERSION} if custom else None,
         "max_positions": max_pos, "source": str(src.resolve()) if src is not None else None,
+        "source_relative": os.path.relpath(src.resolve(), Path(out).resolve()) if src is not None else None,
         "spec": spec.to_dict(), "vocab_size": spec.vocab_size, "num_layers": L,
     }
     with atomic_output(out, force) as tmp:
@@ -320,7 +335,7 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
         else:
             files.update(_export_static(dec, p, budgets, window_eff, batch, chunk, td, custom, tmp))
         settings["graphs"] = files
-        tok_src = _tokenizer_source(model, src)
+        tok_src = Path(tokenizer_dir) if tokenizer_dir is not None else _tokenizer_source(model, src)
         if tok_src is not None:
             toks = [f for f in TOKENIZER_FILES if (tok_src / f).is_file()]
             if toks:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvexport.atomic import atomic_write_bytes
 from kvexport.errors import BadArtifact, BadUsage, ParityFailure
 
 PARITY_FILE = "parity.json"
@@ -183,13 +184,17 @@ def _kept_agreement(ref, ort) -> tuple[int, int]:
     return agree, total
 
 
-def load_reference_model(manifest: dict, model=None):
-    """The PyTorch model of an export: ``model`` (HF dir / model / Decoder) or the manifest's source,
-    rewritten to MLA with the same settings, in the export's dtype."""
+def load_reference_model(manifest: dict, model=None, root=None):
+    """The PyTorch model of an export: ``model`` (HF dir / model / Decoder) or the manifest's source (its path
+    relative to the export ``root`` first, then the absolute one), rewritten to MLA with the same settings, in
+    the export's dtype."""
     from kvexport.export.exporter import resolve_decoder
 
     s = manifest["settings"]
     src = model if model is not None else s.get("source")
+    rel = s.get("source_relative")
+    if model is None and rel and root is not None and (Path(root) / rel).is_dir():
+        src = str((Path(root) / rel).resolve())
     if src is None:
         raise BadUsage("this export was made from an in-memory model; pass the model to validate")
     if isinstance(src, str) and not Path(src).exists():
@@ -211,14 +216,96 @@ def _is_decoder_mla(src) -> bool:
     return isinstance(src, Decoder) and _is_mla(src)
 
 
+class _GeneratorRunner:
+    """A Polygraphy runner around any step generator (OrtGenerator, TrtGenerator): teacher-forced generation."""
+
+    @staticmethod
+    def make(generator, name: str, batch: int):
+        Base = _runner_base()
+
+        class R(Base):
+            def __init__(self):
+                super().__init__(name=name)
+                self.last = None
+
+            def activate_impl(self):
+                pass
+
+            def deactivate_impl(self):
+                pass
+
+            def get_input_metadata_impl(self):
+                return _metadata(batch)
+
+            def infer_impl(self, feed_dict):
+                t0 = time.perf_counter()
+                f = feed_dict["forced_tokens"]
+                self.last = generator.generate(feed_dict["input_ids"], feed_dict["attention_mask"], f.shape[1],
+                                               forced_tokens=f, keep_logits=True)
+                self.inference_time = time.perf_counter() - t0
+                return _outputs(self.last)
+
+        return R()
+
+
+class _PairStats:
+    """Running per-pair numbers over the prompts (reference vs candidate results)."""
+
+    def __init__(self):
+        self.abs: list[float] = []
+        self.rel: list[float] = []
+        self.tok_agree = self.tok_total = self.idx_agree = self.idx_total = 0
+        self.poly_ok = True
+        self.rows: list[dict] = []
+
+    def add(self, ref, cand, feed, poly_ok: bool) -> None:
+        self.poly_ok = self.poly_ok and poly_ok
+        a = np.stack([ref.prompt_logits] + ref.step_logits, 1).astype(np.float64)
+        b = np.stack([cand.prompt_logits] + cand.step_logits, 1).astype(np.float64)
+        err = np.abs(a - b).max(axis=(0, 2))
+        scale = np.abs(a).max(axis=(0, 2))
+        self.abs += err.tolist()
+        self.rel += (err / np.maximum(scale, 1e-12)).tolist()
+        argmax = b[:, :-1].argmax(-1)  # the token chosen after each step (last step chooses nothing new)
+        forced = feed["forced_tokens"]
+        agree = argmax == forced[:, : argmax.shape[1]]
+        self.tok_agree += int(agree.sum())
+        self.tok_total += agree.size
+        ia, it = _kept_agreement(ref, cand)
+        self.idx_agree += ia
+        self.idx_total += it
+        self.rows.append({"lengths": feed["attention_mask"].sum(-1).tolist(), "compactions": cand.compactions,
+                          "max_abs_logit_error": float(err.max()), "token_agreement": float(agree.mean())})
+
+    def report(self, reference: str, candidate: str, steps: int, atol, rtol, min_tok, min_idx) -> dict:
+        token_agreement = self.tok_agree / max(self.tok_total, 1)
+        index_agreement = self.idx_agree / self.idx_total if self.idx_total else 1.0
+        passed = bool(self.poly_ok and token_agreement >= min_tok and index_agreement >= min_idx)
+        return {
+            "reference": reference, "candidate": candidate,
+            "max_abs_logit_error": float(max(self.abs)) if self.abs else 0.0,
+            "max_rel_logit_error": float(max(self.rel)) if self.rel else 0.0,
+            "token_agreement": token_agreement, "index_agreement": index_agreement, "steps": int(steps),
+            "passed": passed, "polygraphy_passed": self.poly_ok,
+            "tolerances": {"atol": atol, "rtol": rtol, "token_agreement": min_tok, "index_agreement": min_idx,
+                           "compare": "polygraphy SimpleCompareFunc (elementwise) on stacked per-step logits"},
+            "per_step_max_abs_logit_error": self.abs, "per_step_max_rel_logit_error": self.rel,
+            "prompts": self.rows, "compared_kept_sets": self.idx_total,
+        }
+
+
 def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rtol: float | None = None,
-             model=None, providers=None, write: bool = True, raise_on_failure: bool = False) -> dict:
+             model=None, providers=None, write: bool = True, raise_on_failure: bool = False,
+             backend: str = "onnxruntime", engines=None, trt_generator=None) -> dict:
     """Compare an export with its PyTorch model; write ``DIR/parity.json``; return the report dict.
 
     prompts: None (random token ids at lengths below/at/above the budget and over several chunks),
     a list of lengths, token-id lists or strings. steps: decode steps per prompt (>= 1).
     atol/rtol: logit tolerances (default by dtype: fp32 1e-4 / 1e-3, fp16 5e-2 / 5e-2); token / index
     agreement must be 1.0 in fp32, >= 0.98 / 0.95 in fp16 (:data:`TOLERANCES`).
+    backend "tensorrt" adds the pairs ``onnxruntime~tensorrt`` and ``pytorch~tensorrt`` (engines from
+    ``engines``, default ``DIR-tensorrt``; ``trt_generator``: an already opened
+    :class:`~kvexport.tensorrt.generator.TrtGenerator`). Every pair goes through Polygraphy's comparator.
     Raises :class:`ParityFailure` (exit 6) when ``raise_on_failure`` and a tolerance fails.
     """
     from polygraphy.comparator import Comparator, SimpleCompareFunc
@@ -228,13 +315,19 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
 
     if int(steps) < 1:
         raise BadUsage(f"--steps {steps} must be >= 1")
+    if backend not in ("onnxruntime", "tensorrt"):
+        raise BadUsage(f"--backend {backend!r} is not one of: onnxruntime, tensorrt")
+    if backend == "tensorrt" and trt_generator is None:
+        from kvexport.tensorrt.generator import TrtGenerator
+
+        trt_generator = TrtGenerator(path, engines=engines)  # MissingBackend first when TensorRT / a GPU is absent
     gen = OrtGenerator(path, providers=providers)
     s = gen.settings
     d_atol, d_rtol, min_tok, min_idx = TOLERANCES[s["dtype"]]
     atol = d_atol if atol is None else float(atol)
     rtol = d_rtol if rtol is None else float(rtol)
     press = press_from_dict(s["press"])
-    decoder = load_reference_model(gen.manifest, model)
+    decoder = load_reference_model(gen.manifest, model, root=path)
     tokenizer = None
     if s.get("tokenizer") and prompts is not None and any(isinstance(p, str) for p in prompts):
         from kvexport.models.loading import load_tokenizer
@@ -250,60 +343,40 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
         feeds.append(OrderedDict(input_ids=ids, attention_mask=mask, forced_tokens=free.tokens))
         known[_key(ids, mask, free.tokens)] = free
     torch_runner, ort_runner = make_runners(decoder, press, s, gen, int(s["batch"]), known)
-    per_step_abs: list[float] = []
-    per_step_rel: list[float] = []
-    tok_agree = tok_total = idx_agree = idx_total = 0
-    poly_ok = True
-    prompt_rows = []
+    runners = [torch_runner, ort_runner]
+    names = {"pytorch~onnxruntime": (0, 1)}
+    if trt_generator is not None:
+        runners.append(_GeneratorRunner.make(trt_generator, "tensorrt", int(s["batch"])))
+        names.update({"onnxruntime~tensorrt": (1, 2), "pytorch~tensorrt": (0, 2)})
+    stats = {n: _PairStats() for n in names}
     from polygraphy.logger import G_LOGGER
 
     old = G_LOGGER.module_severity
     G_LOGGER.module_severity = G_LOGGER.ERROR
     try:
         for feed in feeds:
-            results = Comparator.run([torch_runner, ort_runner], data_loader=[feed])
-            acc = Comparator.compare_accuracy(results, compare_func=SimpleCompareFunc(atol=atol, rtol=rtol))
-            poly_ok = poly_ok and bool(acc)
-            ref, ort = torch_runner.last, ort_runner.last
-            a = np.stack([ref.prompt_logits] + ref.step_logits, 1).astype(np.float64)
-            b = np.stack([ort.prompt_logits] + ort.step_logits, 1).astype(np.float64)
-            err = np.abs(a - b).max(axis=(0, 2))
-            scale = np.abs(a).max(axis=(0, 2))
-            per_step_abs += err.tolist()
-            per_step_rel += (err / np.maximum(scale, 1e-12)).tolist()
-            ort_argmax = b[:, :-1].argmax(-1)  # the token chosen after each step (last step chooses nothing new)
-            forced = feed["forced_tokens"]
-            agree = ort_argmax == forced[:, : ort_argmax.shape[1]]
-            tok_agree += int(agree.sum())
-            tok_total += agree.size
-            ia, it = _kept_agreement(ref, ort)
-            idx_agree += ia
-            idx_total += it
-            prompt_rows.append({"lengths": feed["attention_mask"].sum(-1).tolist(), "compactions": ort.compactions,
-                                "max_abs_logit_error": float(err.max()), "token_agreement": float(agree.mean())})
+            results = Comparator.run(runners, data_loader=[feed])
+            func = SimpleCompareFunc(atol=atol, rtol=rtol)
+            for n, (i, j) in names.items():
+                acc = Comparator.compare_accuracy(results, compare_func=func, comparisons=[(i, j)])
+                stats[n].add(runners[i].last, runners[j].last, feed, bool(acc))
     finally:
         G_LOGGER.module_severity = old
-    token_agreement = tok_agree / max(tok_total, 1)
-    index_agreement = idx_agree / idx_total if idx_total else 1.0
-    max_abs = float(max(per_step_abs)) if per_step_abs else 0.0
-    max_rel = float(max(per_step_rel)) if per_step_rel else 0.0
-    passed = bool(poly_ok and token_agreement >= min_tok and index_agreement >= min_idx)
-    pair = {
-        "reference": "pytorch", "candidate": f"onnxruntime:{gen.providers[0]}",
-        "max_abs_logit_error": max_abs, "max_rel_logit_error": max_rel, "token_agreement": token_agreement,
-        "index_agreement": index_agreement, "steps": int(steps), "passed": passed, "polygraphy_passed": poly_ok,
-        "tolerances": {"atol": atol, "rtol": rtol, "token_agreement": min_tok, "index_agreement": min_idx,
-                       "compare": "polygraphy SimpleCompareFunc (elementwise) on stacked per-step logits"},
-        "per_step_max_abs_logit_error": per_step_abs, "per_step_max_rel_logit_error": per_step_rel,
-        "prompts": prompt_rows, "compared_kept_sets": idx_total,
-    }
+    cand = {"onnxruntime": f"onnxruntime:{gen.providers[0]}", "tensorrt": "tensorrt", "pytorch": "pytorch"}
+    pairs = {}
+    for n, st in stats.items():
+        ref_name, cand_name = n.split("~")
+        pairs[n] = st.report(ref_name, cand[cand_name], steps, atol, rtol, min_tok, min_idx)
     report = {"export": str(Path(path).resolve()), "settings": {k: s[k] for k in ("mode", "batch", "chunk", "window",
                                                                                   "budgets", "press", "mla", "dtype",
                                                                                   "ops")},
-              "pairs": {"pytorch~onnxruntime": pair}}
+              "pairs": pairs}
     if write:
-        (Path(path) / PARITY_FILE).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    if raise_on_failure and not passed:
-        raise ParityFailure(f"{path}: max abs logit error {max_abs:.3g} (atol {atol:g}), token agreement "
-                            f"{token_agreement:.3f}, index agreement {index_agreement:.3f}; see {PARITY_FILE}")
+        atomic_write_bytes(Path(path) / PARITY_FILE, (json.dumps(report, indent=2, sort_keys=True) + "\n").encode())
+    failed = [n for n, p in pairs.items() if not p["passed"]]
+    if raise_on_failure and failed:
+        p = pairs[failed[0]]
+        raise ParityFailure(f"{path}: {failed[0]}: max abs logit error {p['max_abs_logit_error']:.3g} (atol {atol:g}), "
+                            f"token agreement {p['token_agreement']:.3f}, index agreement {p['index_agreement']:.3f}; "
+                            f"see {PARITY_FILE}")
     return report

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvexport.convert import layout
 from kvexport.atomic import atomic_write_bytes
+from kvexport.convert import layout
 from kvexport.errors import BadArtifact, BadUsage
 from kvexport.profile.kv_bytes import CacheShape, cache_table, full_cache_of
 from kvexport.profile.profiler import environment, profile_runner
@@ -134,14 +134,16 @@ def _pytorch_runners(d: Path, settings: dict[str, Any], shape: CacheShape, max_t
 def _onnx_runners(d: Path, shape: CacheShape, with_baseline: bool, backend: str):
     from kvexport.profile.runners import OrtRunner, TensorRTRunner
 
-    cls = OrtRunner if backend == "onnxruntime" else TensorRTRunner
     exp = layout.export_dir_of(d)
-    if backend == "tensorrt" and (d / layout.ENGINE_DIR).is_dir():
-        exp = d / layout.ENGINE_DIR
-    runners = {"converted": cls(exp, shape)}
     base = d / layout.BASELINE_DIR
+    if backend == "tensorrt":
+        engines = d / layout.ENGINE_DIR if (d / layout.ENGINE_DIR).is_dir() else None
+        # the growing-past baseline has no static shapes to build engines for, and timing it on another backend
+        # would not be a comparison: profile it with --backend onnxruntime
+        return {"converted": TensorRTRunner(exp, shape, engines=engines)}
+    runners = {"converted": OrtRunner(exp, shape)}
     if with_baseline and base.is_dir():
-        runners["baseline"] = cls(base, full_cache_of(shape))
+        runners["baseline"] = OrtRunner(base, full_cache_of(shape))
     return runners
 
 
@@ -169,6 +171,8 @@ def profile_dir(d: str | Path, backend: str = "onnxruntime", contexts: list[int]
         raise BadUsage(f"--decode-steps {decode_steps} must be >= 1")
     if not d.is_dir():
         raise BadArtifact(f"{d} is not a directory made by kvexport convert or kvexport export")
+    if layout.is_conversion(d):
+        layout.verify_conversion(d, (layout.PROFILE_JSON, *layout.REPORT_OUTPUTS))
     settings = dir_settings(d)
     contexts = sorted(set(contexts or settings.get("contexts") or [512, 2048, 8192]))
     mla_dir = d / layout.MLA_DIR
@@ -212,6 +216,8 @@ def profile_dir(d: str | Path, backend: str = "onnxruntime", contexts: list[int]
     if write:
         target = d / layout.PROFILE_JSON if write is True else Path(write)
         atomic_write_bytes(target, json.dumps(result, indent=2).encode("utf-8"))
+        if target.parent.resolve() == d.resolve() and layout.has_outputs_manifest(d):
+            layout.record_outputs(d)
     return result
 
 

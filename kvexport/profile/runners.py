@@ -111,24 +111,25 @@ class OrtRunner:
 
 
 class TensorRTRunner(OrtRunner):
-    """Engines built by ``kvexport build-engine`` (lazy import of kvexport.tensorrt)."""
+    """Engines built by ``kvexport build-engine`` through :class:`kvexport.tensorrt.generator.TrtGenerator`'s
+    step API (same host rules as onnxruntime). ``export_dir``: the export; ``engines``: default
+    ``EXPORT_DIR-tensorrt``. MissingBackend (one line) without TensorRT or a GPU."""
 
     backend = "tensorrt"
 
-    def __init__(self, export_dir: Path, cache_shape: CacheShape | None = None):
-        try:
-            from kvexport.tensorrt import TrtGenerator  # type: ignore[attr-defined]
-        except ImportError:
-            raise MissingBackend("the tensorrt backend needs TensorRT and kvexport.tensorrt's runtime; "
-                                 "install TensorRT >= 10.3 (pip install 'kvexport[tensorrt]' on an NVIDIA GPU or "
-                                 "JetPack) and build engines with `kvexport build-engine DIR`") from None
+    def __init__(self, export_dir: Path, cache_shape: CacheShape | None = None, engines: Path | None = None,
+                 runner_factory=None):
+        from kvexport.tensorrt.generator import TrtGenerator
+
         self.dir = Path(export_dir)
-        self.gen = TrtGenerator(self.dir)
+        self.gen = TrtGenerator(self.dir, engines=engines, runner_factory=runner_factory)
         self.cache_shape = cache_shape
+        if int(self.gen.batch) != 1:
+            raise BadArtifact(f"{self.dir} was exported for batch {self.gen.batch}; the profiler runs batch 1")
 
     def files(self) -> list[Path]:
-        return sorted(p for p in self.dir.rglob("*") if p.is_file() and p.suffix in (".onnx", ".data", ".engine",
-                                                                                      ".plan", ".so"))
+        eng = self.gen.engine_dir
+        return sorted(p for p in eng.rglob("*") if p.is_file() and p.suffix in (".engine", ".plan"))
 
 
 __all__ = ["PyTorchRunner", "OrtRunner", "TensorRTRunner"]

@@ -44,6 +44,10 @@ def write_report(out_dir: str | Path) -> dict[str, Any]:
     if rep.get("parity") is not None:
         public["parity"] = {k: v for k, v in rep["parity"].items() if k != "raw"}
     _atomic_write(d / "report.json", json.dumps(public, indent=2, default=str).encode("utf-8"))
+    from kvexport.convert import layout
+
+    if layout.has_outputs_manifest(d):
+        layout.record_outputs(d)  # the new report files' hashes
     return rep
 
 

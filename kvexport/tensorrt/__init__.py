@@ -7,6 +7,7 @@ TensorRT (or a GPU) raise :class:`kvexport.errors.MissingBackend` with one line 
 
 from kvexport.tensorrt.backend import import_tensorrt, parse_version, tensorrt_version
 from kvexport.tensorrt.engine import EngineReport, build_engine, find_onnx_graphs
+from kvexport.tensorrt.generator import TrtGenerator, default_engine_dir
 from kvexport.tensorrt.onnx_prep import PLUGIN_OPS, PreparedOnnx, needs_function_strip, prepare_onnx_for_trt
 from kvexport.tensorrt.plugins import check_plugin_library_file, find_plugin_library, load_plugins
 from kvexport.tensorrt.runner import TensorRTRunner
@@ -26,4 +27,6 @@ __all__ = [
     "find_plugin_library",
     "load_plugins",
     "TensorRTRunner",
+    "TrtGenerator",
+    "default_engine_dir",
 ]

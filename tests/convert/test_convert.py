@@ -196,3 +196,17 @@ def test_convert_json_reproduces_the_export(converted, tmp_path):
         assert a == b
     assert (json.loads((again / "convert.json").read_text())["settings"]
             == {**json.loads((out / "convert.json").read_text())["settings"], "validate": False, "profile": False})
+
+
+def test_mla_export_records_its_source(converted):
+    """The MLA export of a conversion names DIR/mla as its reference (relative, so the directory can move) and
+    carries the tokenizer: ``kvexport validate DIR/onnx`` needs no --model."""
+    from kvexport.export import validate
+    from kvexport.export.manifest import verify_manifest
+
+    out, _ = converted
+    s = verify_manifest(out / "onnx")["settings"]
+    assert s["source_relative"] == "../mla" and s["mla"] is not None
+    assert s["tokenizer"] == "tokenizer" and (out / "onnx" / "tokenizer" / "tokenizer.json").is_file()
+    rep = validate(out / "onnx", prompts=[5], steps=2, write=False)
+    assert rep["pairs"]["pytorch~onnxruntime"]["passed"]

@@ -66,8 +66,6 @@ def _convert_like(export_dir: Path, tmp_path: Path) -> Path:
     return c
 
 
-@pytest.mark.xfail(reason="kvexport report does not verify DIR/onnx/manifest.json (reported: report/collect.py)",
-                   strict=False)
 def test_report_refuses_damaged_conversion(export_dir, tmp_path, capsys):
     c = _convert_like(export_dir, tmp_path)
     (c / "onnx" / "decode.onnx").open("ab").write(b"\0")

@@ -166,3 +166,32 @@ def test_accuracy_studies_are_tabled(tmp_path):
     assert "## Accuracy studies" in md and "press_study:" in md
     assert "| snapkv | 0.5 | 0.125 |" in md and "| knorm | 0.5 | 0.25 |" in md
     assert "| metric | mean L2 discrepancy of the last hidden state |" in md
+
+
+def test_conversion_manifest_guards_top_level_outputs(tmp_path):
+    """DIR/manifest.json lists convert.json / parity.json / report.* by sha256; report refuses an altered one."""
+    import json as _json
+
+    from kvexport.convert import layout
+    from kvexport.errors import BadArtifact
+    from kvexport.report import collect as _collect
+    from kvexport.report import write_report
+
+    d = tmp_path / "conv"
+    d.mkdir()
+    (d / "convert.json").write_text(_json.dumps({"settings": {}}))
+    (d / "parity.json").write_text(_json.dumps({"pairs": {"pytorch~onnxruntime": {"passed": True}}}))
+    write_report(d)
+    assert not (d / "manifest.json").exists()  # only a finished conversion has one; its writers then keep it
+    layout.record_outputs(d)
+    (d / "report.md").write_text("stale")
+    write_report(d)  # rewrites report.* and their hashes
+    files = _json.loads((d / "manifest.json").read_text())["files"]
+    assert {"convert.json", "parity.json", "report.html", "report.md", "report.json"} <= set(files)
+    _collect(d)  # intact: fine
+    (d / "parity.json").write_text(_json.dumps({"pairs": {"pytorch~onnxruntime": {"passed": False}}}))
+    with pytest.raises(BadArtifact, match="parity.json was altered"):
+        _collect(d)
+    (d / "parity.json").unlink()
+    with pytest.raises(BadArtifact, match="missing parity.json"):
+        _collect(d)
