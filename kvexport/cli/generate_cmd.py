@@ -51,8 +51,8 @@ def generate_cmd(
 
         return generate_from_export(Path(model), prompts, max_new_tokens, backend=backend, engines=engines)
     if backend != "onnxruntime" or engines is not None:
-        raise BadUsage("--backend/--engines apply to an export directory (`kvexport export` output); "
-                       f"{model or 'the bundled model'} is a PyTorch model directory")
+        raise BadUsage(f"--backend {backend}/--engines need an export directory (`kvexport export` output, with "
+                       f"manifest.json); {model or 'the bundled model'} is not one")
     model_path = resolve_model(model)
     # config and weights first: the tokenizer would blame itself for a bad config or a damaged directory
     if is_mla_dir(model_path):

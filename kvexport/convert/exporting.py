@@ -51,7 +51,11 @@ def run_validate(st) -> dict[str, Any]:
     from kvexport.export.validation import validate
 
     exp = st.work / layout.ONNX_DIR
-    kw = _kwargs(validate, steps=st.cfg.validate_steps, write=False, raise_on_failure=False)
+    trt = {}
+    if st.cfg.target == "tensorrt" and getattr(st, "engine_missing", None) is None \
+            and (st.work / layout.ENGINE_DIR / "engines.json").is_file():
+        trt = {"backend": "tensorrt", "engines": st.work / layout.ENGINE_DIR}  # + onnxruntime~tensorrt, pytorch~tensorrt
+    kw = _kwargs(validate, **trt, steps=st.cfg.validate_steps, write=False, raise_on_failure=False)
     return validate(exp, **kw)
 
 

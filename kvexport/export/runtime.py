@@ -373,12 +373,16 @@ class OrtGenerator:
         B = self.batch
         res = OrtGenerationResult(tokens=np.zeros((B, 0), np.int64), prompt_logits=np.zeros(0))
 
+        previous = self.on_compaction
+
         def on_compaction(where, gen):
             if track_kept:
                 res.kept_positions.append(gen.kept_positions())
                 res.compaction_steps.append(where)
+            if previous is not None:  # the caller's own callback still sees every compaction
+                previous(where, gen)
 
-        previous, self.on_compaction = self.on_compaction, on_compaction
+        self.on_compaction = on_compaction
         try:
             t0 = time.perf_counter()
             last = self.prefill(ids, mask)

@@ -15,6 +15,7 @@ Without TensorRT or a CUDA GPU, constructing one raises :class:`~kvexport.errors
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any, Callable
 
@@ -132,10 +133,10 @@ class TrtGenerator(OrtGenerator):
 
     def _call(self, graph: str, feeds: dict) -> dict:
         r = self.runners[graph]
-        try:
-            return r.infer(feeds, check_inputs=False, copy_outputs_to_host=False)
-        except TypeError:  # a runner whose infer_impl takes no copy flag
-            return r.infer(feeds, check_inputs=False)
+        impl = getattr(r, "infer_impl", None)
+        if impl is not None and "copy_outputs_to_host" in inspect.signature(impl).parameters:
+            return r.infer(feeds, check_inputs=False, copy_outputs_to_host=False)  # outputs stay on the device
+        return r.infer(feeds, check_inputs=False)
 
     def _run(self, graph: str, feeds: dict[str, np.ndarray]) -> None:
         g = self.settings["graphs"][graph]
