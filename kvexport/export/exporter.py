@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -37,6 +38,9 @@ from kvexport.errors import BadUsage
 from kvexport.export import graphs, ops
 from kvexport.export.manifest import ONNX_EXPORT as KIND
 from kvexport.export.manifest import atomic_output, check_out_dir, write_manifest
+
+# torch's exporter warns once per graph that torchvision's ops are not registered; they are never used here
+logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 
 EXTERNAL_DATA_BYTES = 4 << 20  # a graph with more initializer bytes than this keeps them in <graph>.onnx.data
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
