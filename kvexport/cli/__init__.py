@@ -25,14 +25,14 @@ def _root(
 
 
 # subcommand modules register themselves on import
-from kvexport.cli import (
-    bench_cmd,  # noqa: E402,F401
-    convert_cmds,  # noqa: E402,F401
-    eval_cmds,  # noqa: E402,F401
-    export_cmds,  # noqa: E402,F401
-    generate_cmd,  # noqa: E402,F401
-    mla_cmds,  # noqa: E402,F401
-    trt_cmds,  # noqa: E402,F401
+from kvexport.cli import (  # noqa: E402,F401
+    bench_cmd,
+    convert_cmds,
+    eval_cmds,
+    export_cmds,
+    generate_cmd,
+    mla_cmds,
+    trt_cmds,
 )
 
 

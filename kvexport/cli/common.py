@@ -12,7 +12,7 @@ from kvexport.paths import DEFAULT_MODEL
 
 PRESS_HELP = (
     "Eviction press: streaming_llm, knorm, keydiff, tova, snapkv, pyramidkv, expected_attention, "
-    "observed_attention, random; 'none' keeps every token."
+    "observed_attention, random ('optimal' needs future queries: evaluation only); 'none' keeps every token."
 )
 
 

@@ -22,10 +22,10 @@ from kvexport.models.spec import ModelSpec
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        H, I, b = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
-        self.gate_proj = nn.Linear(H, I, bias=b)
-        self.up_proj = nn.Linear(H, I, bias=b)
-        self.down_proj = nn.Linear(I, H, bias=b)
+        H, F, b = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
+        self.gate_proj = nn.Linear(H, F, bias=b)
+        self.up_proj = nn.Linear(H, F, bias=b)
+        self.down_proj = nn.Linear(F, H, bias=b)
         self.act = ACT2FN[spec.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ def test_greedy_decode_matches_hf_generate(tiny_models, family, kw):
     with torch.no_grad():
         ref = hf.generate(ids, max_new_tokens=16, do_sample=False, output_logits=True, return_dict_in_generate=True)
     assert torch.equal(res.tokens, ref.sequences[:, 20:])
-    for ours, theirs in zip(res.step_logits, ref.logits[1:]):
+    for ours, theirs in zip(res.step_logits, ref.logits[1:], strict=True):
         assert (ours - theirs).abs().max().item() < 1e-4
 
 
