@@ -31,27 +31,28 @@ PROFILE_JSON = "profile.json"
 MANIFEST = "manifest.json"
 
 
+def _read_json(p: Path) -> Any:
+    """The JSON document at ``p``, or None when there is no such file; BadArtifact when it is not valid JSON."""
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadArtifact(f"{p} is not valid JSON ({e.__class__.__name__})") from None
+
+
 def read_convert_json(d: str | Path) -> dict[str, Any] | None:
     p = Path(d) / CONVERT_JSON
     if not p.is_file():
         return None
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadArtifact(f"{p} is not valid JSON ({e.__class__.__name__})") from None
+    data = _read_json(p)
     if not isinstance(data, dict) or not isinstance(data.get("settings"), dict):
         raise BadArtifact(f"{p} is not a kvexport convert.json (no 'settings')")
     return data
 
 
 def read_manifest(export_dir: str | Path) -> dict[str, Any] | None:
-    p = Path(export_dir) / MANIFEST
-    if not p.is_file():
-        return None
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadArtifact(f"{p} is not valid JSON ({e.__class__.__name__})") from None
+    data = _read_json(Path(export_dir) / MANIFEST)
     return data if isinstance(data, dict) else None
 
 

@@ -158,8 +158,12 @@ class OrtGenerator:
     def _ov(self, arr: np.ndarray):
         return self._ort.OrtValue.ortvalue_from_numpy(arr, self.device, 0)
 
-    def _alloc(self) -> None:
-        """Two OrtValues per cache tensor (ping-pong) and one for the logits, made once."""
+    def _init_cache_layout(self) -> None:
+        """Host-side cache layout shared by every backend (this runner and the TensorRT one).
+
+        Sets ``layers``, ``budgets``, ``caps`` (per layer), ``initial`` (name -> empty host array: ``k_i``
+        (B, Hc, cap, Dk), ``v_i`` (B, Hc, cap, Dv), ``pos_i`` (B, Hc, cap) int64 -1, and with a press ``qbuf_i``
+        (B, Hq, W, Dq) and ``qpos`` (B, W) int64 -1) and ``cache_bytes`` (the K/V bytes)."""
         s = self.settings
         B, W = self.batch, int(s["window"])
         self.layers = s["graphs"]["layers"]
@@ -175,10 +179,28 @@ class OrtGenerator:
                 self.initial[f"qbuf_{i}"] = np.zeros((B, ly["q_heads"], W, ly["q_dim"]), self.dtype)
         if self.press is not None:
             self.initial["qpos"] = np.full((B, W), -1, np.int64)
+        self.cache_bytes = sum(a.nbytes for n, a in self.initial.items() if n[0] in "kv")
+        self._io_plans: dict[str, tuple] = {}
+
+    def _io_plan(self, graph: str) -> tuple[list[tuple[str, str]], list[tuple[str, str | None]], frozenset[str]]:
+        """What a call of ``graph`` binds, worked out once per graph (not per decode step): cache inputs
+        [(``<base>_in``, base)], outputs [(``logits``, None) or (``<base>_out``, base)] in graph order, and the
+        names of its host inputs."""
+        plan = self._io_plans.get(graph)
+        if plan is None:
+            g = self.settings["graphs"][graph]
+            ins = [(n, n[:-3]) for n in g["inputs"] if n.endswith("_in")]
+            outs = [(n, None if n == "logits" else n[:-4]) for n in g["outputs"] if n == "logits" or n.endswith("_out")]
+            host = frozenset(n for n in g["inputs"] if not n.endswith("_in"))
+            plan = self._io_plans[graph] = (ins, outs, host)
+        return plan
+
+    def _alloc(self) -> None:
+        """Two OrtValues per cache tensor (ping-pong) and one for the logits, made once."""
+        self._init_cache_layout()
         self.buffers = {n: [self._ov(a.copy()), self._ov(a.copy())] for n, a in self.initial.items()}
         self.cur = dict.fromkeys(self.initial, 0)
-        self.logits = self._ov(np.zeros((B, int(s["vocab_size"])), self.dtype))
-        self.cache_bytes = sum(a.nbytes for n, a in self.initial.items() if n[0] in "kv")
+        self.logits = self._ov(np.zeros((self.batch, int(self.settings["vocab_size"])), self.dtype))
 
     def _reset_buffers(self) -> None:
         for n, a in self.initial.items():
@@ -188,19 +210,16 @@ class OrtGenerator:
         """Bind small host inputs + the current cache buffers, write into the other buffers, then swap."""
         sess = self.sessions[graph]
         io = sess.io_binding()
-        g = self.settings["graphs"][graph]
+        ins, outs, _ = self._io_plan(graph)
         for name, arr in feeds.items():
             io.bind_cpu_input(name, np.ascontiguousarray(arr))
         swapped = []
-        for name in g["inputs"]:
-            if name.endswith("_in"):
-                base = name[:-3]
-                io.bind_ortvalue_input(name, self.buffers[base][self.cur[base]])
-        for name in g["outputs"]:
-            if name == "logits":
+        for name, base in ins:
+            io.bind_ortvalue_input(name, self.buffers[base][self.cur[base]])
+        for name, base in outs:
+            if base is None:
                 io.bind_ortvalue_output(name, self.logits)
-            elif name.endswith("_out"):
-                base = name[:-4]
+            else:
                 io.bind_ortvalue_output(name, self.buffers[base][1 - self.cur[base]])
                 swapped.append(base)
         sess.run_with_iobinding(io)
@@ -317,8 +336,8 @@ class OrtGenerator:
 
     def _feeds(self, graph: str, **candidates: np.ndarray) -> dict[str, np.ndarray]:
         """The host inputs ``graph`` declares, out of ``candidates`` (cache tensors are bound separately)."""
-        names = set(self.settings["graphs"][graph]["inputs"])
-        missing = sorted(n for n in names if not n.endswith("_in") and n not in candidates)
+        names = self._io_plan(graph)[2]
+        missing = sorted(n for n in names if n not in candidates)
         if missing:
             raise BadArtifact(f"{self.path}/{graph}.onnx wants inputs {missing} this runtime does not know; "
                               "run it with a matching kvexport version")

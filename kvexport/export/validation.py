@@ -58,6 +58,46 @@ def _key(ids, mask, forced) -> bytes:
     return b"|".join(np.ascontiguousarray(x, dtype=np.int64).tobytes() for x in (ids, mask, forced))
 
 
+def _make_runner(name: str, batch: int, produce):
+    """A Polygraphy runner (``BaseRunner`` subclass) named ``name``: ``infer`` calls ``produce(feed_dict)`` (a
+    generation result with ``prompt_logits`` / ``step_logits``), keeps it as ``.last`` and returns its stacked
+    logits (B, 1 + steps, V)."""
+    Base = _runner_base()
+
+    class _Runner(Base):
+        def __init__(self):
+            super().__init__(name=name)
+            self.last = None
+
+        def activate_impl(self):
+            pass
+
+        def deactivate_impl(self):
+            pass
+
+        def get_input_metadata_impl(self):
+            return _metadata(batch)
+
+        def infer_impl(self, feed_dict):
+            t0 = time.perf_counter()
+            self.last = produce(feed_dict)
+            self.inference_time = time.perf_counter() - t0
+            return _outputs(self.last)
+
+    return _Runner()
+
+
+def _generator_runner(generator, name: str, batch: int):
+    """A Polygraphy runner around any step generator (OrtGenerator, TrtGenerator): teacher-forced generation."""
+
+    def produce(feed_dict):
+        f = feed_dict["forced_tokens"]
+        return generator.generate(feed_dict["input_ids"], feed_dict["attention_mask"], f.shape[1],
+                                  forced_tokens=f, keep_logits=True)
+
+    return _make_runner(name, batch, produce)
+
+
 def make_runners(decoder, press, settings: dict, generator, batch: int, known: dict | None = None):
     """(PyTorch runner, onnxruntime runner) as Polygraphy runners; each keeps its last full result.
 
@@ -66,59 +106,13 @@ def make_runners(decoder, press, settings: dict, generator, batch: int, known: d
     known = known if known is not None else {}
     from kvexport.export.reference import torch_generate
 
-    Base = _runner_base()
+    def reference(feed_dict):  # the PyTorch reference: a generation per feed dict
+        f = feed_dict["forced_tokens"]
+        key = _key(feed_dict["input_ids"], feed_dict["attention_mask"], f)
+        return known.get(key) or torch_generate(decoder, settings, feed_dict["input_ids"], feed_dict["attention_mask"],
+                                                f.shape[1], forced_tokens=f, press=press)
 
-    class TorchRunner(Base):
-        """Polygraphy runner around the PyTorch reference (a generation per feed dict)."""
-
-        def __init__(self):
-            super().__init__(name="pytorch")
-            self.last = None
-
-        def activate_impl(self):
-            pass
-
-        def deactivate_impl(self):
-            pass
-
-        def get_input_metadata_impl(self):
-            return _metadata(batch)
-
-        def infer_impl(self, feed_dict):
-            t0 = time.perf_counter()
-            f = feed_dict["forced_tokens"]
-            key = _key(feed_dict["input_ids"], feed_dict["attention_mask"], f)
-            self.last = known.get(key) or torch_generate(decoder, settings, feed_dict["input_ids"],
-                                                         feed_dict["attention_mask"], f.shape[1], forced_tokens=f,
-                                                         press=press)
-            self.inference_time = time.perf_counter() - t0
-            return _outputs(self.last)
-
-    class OrtRunner(Base):
-        """Polygraphy runner around :class:`~kvexport.export.runtime.OrtGenerator`."""
-
-        def __init__(self):
-            super().__init__(name="onnxruntime")
-            self.last = None
-
-        def activate_impl(self):
-            pass
-
-        def deactivate_impl(self):
-            pass
-
-        def get_input_metadata_impl(self):
-            return _metadata(batch)
-
-        def infer_impl(self, feed_dict):
-            t0 = time.perf_counter()
-            f = feed_dict["forced_tokens"]
-            self.last = generator.generate(feed_dict["input_ids"], feed_dict["attention_mask"], f.shape[1],
-                                           forced_tokens=f, keep_logits=True)
-            self.inference_time = time.perf_counter() - t0
-            return _outputs(self.last)
-
-    return TorchRunner(), OrtRunner()
+    return _make_runner("pytorch", batch, reference), _generator_runner(generator, "onnxruntime", batch)
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -214,38 +208,6 @@ def _is_decoder_mla(src) -> bool:
     from kvexport.models.decoder import Decoder
 
     return isinstance(src, Decoder) and _is_mla(src)
-
-
-class _GeneratorRunner:
-    """A Polygraphy runner around any step generator (OrtGenerator, TrtGenerator): teacher-forced generation."""
-
-    @staticmethod
-    def make(generator, name: str, batch: int):
-        Base = _runner_base()
-
-        class R(Base):
-            def __init__(self):
-                super().__init__(name=name)
-                self.last = None
-
-            def activate_impl(self):
-                pass
-
-            def deactivate_impl(self):
-                pass
-
-            def get_input_metadata_impl(self):
-                return _metadata(batch)
-
-            def infer_impl(self, feed_dict):
-                t0 = time.perf_counter()
-                f = feed_dict["forced_tokens"]
-                self.last = generator.generate(feed_dict["input_ids"], feed_dict["attention_mask"], f.shape[1],
-                                               forced_tokens=f, keep_logits=True)
-                self.inference_time = time.perf_counter() - t0
-                return _outputs(self.last)
-
-        return R()
 
 
 class _PairStats:
@@ -346,7 +308,7 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     runners = [torch_runner, ort_runner]
     names = {"pytorch~onnxruntime": (0, 1)}
     if trt_generator is not None:
-        runners.append(_GeneratorRunner.make(trt_generator, "tensorrt", int(s["batch"])))
+        runners.append(_generator_runner(trt_generator, "tensorrt", int(s["batch"])))
         names.update({"onnxruntime~tensorrt": (1, 2), "pytorch~tensorrt": (0, 2)})
     stats = {n: _PairStats() for n in names}
     from polygraphy.logger import G_LOGGER

@@ -109,22 +109,7 @@ class TrtGenerator(OrtGenerator):
 
     # ------------------------------------------------------------------ buffers: one live tensor per cache input
     def _alloc(self) -> None:
-        s = self.settings
-        B, W = self.batch, int(s["window"])
-        self.layers = s["graphs"]["layers"]
-        self.budgets = [int(x["budget"]) for x in self.layers]
-        self.caps = [int(x["capacity"]) for x in self.layers]
-        self.initial: dict[str, np.ndarray] = {}
-        for i, ly in enumerate(self.layers):
-            H, cap = ly["heads"], ly["capacity"]
-            self.initial[f"k_{i}"] = np.zeros((B, H, cap, ly["key_dim"]), self.dtype)
-            self.initial[f"v_{i}"] = np.zeros((B, H, cap, ly["value_dim"]), self.dtype)
-            self.initial[f"pos_{i}"] = np.full((B, H, cap), -1, np.int64)
-            if self.press is not None:
-                self.initial[f"qbuf_{i}"] = np.zeros((B, ly["q_heads"], W, ly["q_dim"]), self.dtype)
-        if self.press is not None:
-            self.initial["qpos"] = np.full((B, W), -1, np.int64)
-        self.cache_bytes = sum(a.nbytes for n, a in self.initial.items() if n[0] in "kv")
+        self._init_cache_layout()
         self.state: dict[str, Any] = {}
         self._logits = None
 
@@ -139,17 +124,16 @@ class TrtGenerator(OrtGenerator):
         return r.infer(feeds, check_inputs=False)
 
     def _run(self, graph: str, feeds: dict[str, np.ndarray]) -> None:
-        g = self.settings["graphs"][graph]
+        ins, outs, _ = self._io_plan(graph)
         feed = dict(feeds)
-        for name in g["inputs"]:
-            if name.endswith("_in"):
-                feed[name] = self.state[name[:-3]]
+        for name, base in ins:
+            feed[name] = self.state[base]
         out = self._call(graph, feed)
-        for name in g["outputs"]:
-            if name == "logits":
+        for name, base in outs:
+            if base is None:
                 self._logits = out[name]
-            elif name.endswith("_out"):
-                self.state[name[:-4]] = out[name]
+            else:
+                self.state[base] = out[name]
 
     @property
     def logits(self):  # what OrtGenerator reads with .numpy()
