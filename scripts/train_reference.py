@@ -213,6 +213,21 @@ def lr_at(step: int, size: Size) -> float:
     return size.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
 
 
+def train_step(model, opt, train_t: torch.Tensor, g: torch.Generator, batch: int, lr: float) -> float:
+    """One AdamW step on ``batch`` random windows of SEQ+1 tokens of the train stream -> the loss."""
+    starts = torch.randint(0, len(train_t) - SEQ - 1, (batch,), generator=g)
+    x = torch.stack([train_t[s : s + SEQ + 1] for s in starts.tolist()])  # (batch, SEQ+1)
+    for grp in opt.param_groups:
+        grp["lr"] = lr
+    logits = model(x[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.item()
+
+
 def train(key: str, eval_every: int = 100, log=print, threads: int = 2) -> dict:
     from transformers import LlamaForCausalLM
 
@@ -250,17 +265,7 @@ def train(key: str, eval_every: int = 100, log=print, threads: int = 2) -> dict:
                 }
             )
             log(f"[{key}] step {step} heldout {hist['heldout'][-1]['loss']:.4f} ({time.time() - t0:.0f}s)")
-        starts = torch.randint(0, len(train_t) - SEQ - 1, (size.batch,), generator=g)
-        x = torch.stack([train_t[s : s + SEQ + 1] for s in starts.tolist()])
-        for grp in opt.param_groups:
-            grp["lr"] = lr_at(step, size)
-        logits = model(x[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        run.append(loss.item())
+        run.append(train_step(model, opt, train_t, g, size.batch, lr_at(step, size)))
         if (step + 1) % 20 == 0:
             hist["train"].append(
                 {
@@ -339,17 +344,7 @@ def extend(key: str, phase_steps: int, eval_every: int = 100, log=print, threads
                 {"step": step, "tokens": step * size.batch * SEQ, "loss": loss, "elapsed_s": w0 + time.time() - t0}
             )
             log(f"[{key}] step {step} heldout {loss:.4f} ({time.time() - t0:.0f}s)")
-        starts = torch.randint(0, len(train_t) - SEQ - 1, (size.batch,), generator=g)
-        x = torch.stack([train_t[s : s + SEQ + 1] for s in starts.tolist()])
-        for grp in opt.param_groups:
-            grp["lr"] = lr_at(i, sched)
-        logits = model(x[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        run.append(loss.item())
+        run.append(train_step(model, opt, train_t, g, size.batch, lr_at(i, sched)))
         if (i + 1) % 20 == 0:
             hist["train"].append(
                 {
