@@ -86,15 +86,18 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
     return doc
 
 
-def verify_manifest(root: str | Path, kind: str | None = None) -> dict[str, Any]:
+def verify_manifest(root: str | Path, kind: str | None = None, working: tuple[str, ...] = (),
+                    check_version: bool = True) -> dict[str, Any]:
     """Check root against its manifest; returns the manifest.
 
-    Raises :class:`BadArtifact` naming the first problem: another kvexport version or artifact kind,
-    a missing file, an altered file (sha256 differs), or a foreign file the manifest does not list.
+    Raises :class:`BadArtifact` naming the first problem: another kvexport version (unless
+    ``check_version`` is off) or artifact kind, a missing file, an altered file (sha256 differs), or a
+    foreign file the manifest does not list. Top-level names in ``working`` (files or folders a
+    command keeps beside the artifact, e.g. distillation checkpoints) are not foreign.
     """
     root = Path(root)
     doc = read_manifest(root)
-    if doc["kvexport_version"] != _version():
+    if check_version and doc["kvexport_version"] != _version():
         raise BadArtifact(f"{root} was written by kvexport {doc['kvexport_version']}, this is {_version()}; "
                           f"re-export it with this version")
     if kind is not None and doc.get("kind") != kind:
@@ -108,7 +111,7 @@ def verify_manifest(root: str | Path, kind: str | None = None) -> dict[str, Any]
             raise BadArtifact(f"{root}/{rel} was altered (sha256 differs from {MANIFEST})")
     reports = set(doc.get("reports", []))
     for rel in _listing(root):
-        if rel not in files and rel not in reports:
+        if rel not in files and rel not in reports and rel.split("/")[0] not in working:
             raise BadArtifact(f"{root}/{rel} is a foreign file ({MANIFEST} does not list it)")
     return doc
 

@@ -42,23 +42,9 @@ WORKING_FILES = ("checkpoints", "distill_log.jsonl", "distill_summary.json")
 
 def verify_mla_files(path: str | Path) -> None:
     """BadArtifact naming the first missing, altered or foreign file of an MLA directory (its manifest.json)."""
-    from kvexport.export.manifest import MANIFEST, read_manifest, sha256_file
+    from kvexport.export.manifest import verify_manifest
 
-    p = Path(path)
-    doc = read_manifest(p)  # BadArtifact when absent or not JSON
-    if doc.get("kind") != MANIFEST_KIND:
-        raise BadArtifact(f"{p} is a {doc.get('kind')!r} artifact, expected {MANIFEST_KIND!r}")
-    files: dict[str, str] = doc["files"]
-    for rel, digest in sorted(files.items()):
-        f = p / rel
-        if not f.is_file():
-            raise BadArtifact(f"{p} is missing {rel} (listed in {MANIFEST})")
-        if sha256_file(f) != digest:
-            raise BadArtifact(f"{p}/{rel} was altered (sha256 differs from {MANIFEST})")
-    for f in sorted(p.rglob("*")):
-        rel = f.relative_to(p).as_posix()
-        if f.is_file() and rel != MANIFEST and rel not in files and rel.split("/")[0] not in WORKING_FILES:
-            raise BadArtifact(f"{p}/{rel} is a foreign file ({MANIFEST} does not list it)")
+    verify_manifest(path, kind=MANIFEST_KIND, working=WORKING_FILES, check_version=False)
 
 
 def is_mla_dir(path: str | Path) -> bool:
