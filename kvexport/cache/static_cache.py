@@ -69,6 +69,7 @@ class LayerCache:
         self.pos = torch.full((batch, heads, cap), -1, dtype=torch.long, device=device)
         self.qbuf = torch.zeros(batch, q_heads, window, q_dim, dtype=dtype, device=device)
         self.qpos = torch.full((batch, window), -1, dtype=torch.long, device=device)
+        self.qhead = 0  # ring buffer: slot of the oldest observation query (the next one written)
         self.fill = 0
         self.ctx = ctx
 
@@ -77,18 +78,28 @@ class LayerCache:
         return self.k[:, :, :f], self.v[:, :, :f], self.pos[:, :, :f]
 
     def _write(self, start: int, k, v, pos) -> None:
+        """Write n slots at ``start``; fill = start + n. Slots past ``fill`` always hold position -1."""
         n = k.shape[2]
         self.k[:, :, start : start + n] = k
         self.v[:, :, start : start + n] = v
         self.pos[:, :, start : start + n] = pos
-        self.pos[:, :, start + n :] = -1
+        if start + n < self.fill:  # a compaction shrank the occupied range: empty the rest
+            self.pos[:, :, start + n : self.fill] = -1
         self.fill = start + n
 
     def _push_queries(self, q_score: torch.Tensor, q_positions: torch.Tensor) -> None:
-        """Keep the last ``window`` observation queries (B, Hq, W, Dq) and their positions."""
+        """Keep the last ``window`` observation queries (B, Hq, W, Dq) and their positions, in place."""
         W = self.window
-        self.qbuf = torch.cat([self.qbuf, q_score], dim=2)[:, :, -W:]
-        self.qpos = torch.cat([self.qpos, q_positions], dim=1)[:, -W:]
+        n = min(q_score.shape[2], W)
+        slots = (self.qhead + torch.arange(n, device=self.qbuf.device)) % W
+        self.qbuf[:, :, slots] = q_score[:, :, -n:]
+        self.qpos[:, slots] = q_positions[:, -n:]
+        self.qhead = (self.qhead + n) % W
+
+    def observation(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffered queries (B, Hq, W, Dq) and positions (B, W), oldest first."""
+        order = (self.qhead + torch.arange(self.window, device=self.qbuf.device)) % self.window
+        return self.qbuf[:, :, order], self.qpos[:, order]
 
     def compact_candidates(self, press, k, v, pos, queries, q_positions) -> None:
         """Score candidates k/v/pos (B, Hc, S, .) with observation queries; keep budget in slots [0, budget)."""
@@ -133,7 +144,7 @@ class LayerCache:
     def compact(self, press) -> None:
         """Decode-time compaction over all occupied slots, observed by the last ``window`` queries."""
         k, v, pos = self.occupied()
-        self.compact_candidates(press, k, v, pos, self.qbuf, self.qpos)
+        self.compact_candidates(press, k, v, pos, *self.observation())
 
 
 class StaticCache:
