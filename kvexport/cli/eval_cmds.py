@@ -174,7 +174,7 @@ def mla_cmd(
     threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
 ) -> None:
     """The X-EcoMLA study: the student rewritten to MLA at each compression ratio, distilled from each teacher
-    at two token budgets, scored on the task set (held-out next-token accuracy, code recall, passkey);
+    at two token budgets, scored on the task set (held-out next-token accuracy, code recall, passkey, span recall);
     the original student is the dashed baseline."""
     from rich.console import Console
 

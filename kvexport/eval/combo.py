@@ -126,13 +126,13 @@ def combo_study(model_path: str, taskset, press: str = "expected_attention", tar
 
 
 def combo_table(rows: list[dict]) -> str:
-    """Markdown table: target, method, kept tokens, memory ratio, the three task scores and their mean."""
+    """Markdown table: target, method, kept tokens, memory ratio, the four task scores and their mean."""
     head = ("| memory target | method | context tokens kept | memory vs full | next-token acc | code recall EM | "
-            "passkey EM | accuracy |\n|---|---|---|---|---|---|---|---|\n")
+            "passkey EM | span recall EM | accuracy |\n|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
         tgt = "full" if r["target"] == 1.0 else f"{r['target']:.2f}×"
         mem = f"{r.get('memory_ratio', 1.0):.2f}×"
         lines.append(f"| {tgt} | {r['method']} | {r['kept']} | {mem} | {r['next_token']:.3f} | "
-                     f"{r['code_recall']:.3f} | {r['passkey']:.3f} | **{r['accuracy']:.3f}** |")
+                     f"{r['code_recall']:.3f} | {r['passkey']:.3f} | {r['span_recall']:.3f} | **{r['accuracy']:.3f}** |")
     return head + "\n".join(lines) + "\n"

@@ -84,7 +84,7 @@ def plot_mla_study(result: dict, path) -> None:
         ax.set_xlabel("KV-cache compression (per token), latent rank r_kv")
         ax.set_title(f"distilled on {int(b):,} tokens", fontsize=10)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("accuracy (mean of next-token, code recall, passkey)")
+    axes[0][0].set_ylabel("accuracy (mean of next-token, code, passkey, span recall)")
     lo, hi = axes[0][0].get_ylim()
     axes[0][0].set_ylim(lo, hi + 0.35 * (hi - lo))  # headroom for the legend above the baseline
     axes[0][0].legend(fontsize=8, loc="upper right", ncol=2)

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The task set behind "accuracy" in the MLA and combination studies: one held-out language-modelling task
-and two long-range recall tasks, all built offline from the held-out stdlib split and fixed templates.
+and three long-range recall tasks, all built offline from the held-out stdlib split and fixed templates.
 
 Every example is a *context* of exactly ``context_len`` tokens that is prefilled into the cache (and
 compressed there when a press is given, once, after prefill), followed by a continuation:
@@ -14,9 +14,14 @@ compressed there when a press is given, once, after prefill), followed by a cont
 - ``passkey``: the passkey test (Mohtashami & Jaggi, 2023, "Landmark Attention") as a Python comment
   block: filler sentences, ``# The pass key is 71432. Remember it. 71432 is the pass key.`` in the first
   half, more filler, then ``# What is the pass key? The pass key is``.
+- ``span_recall``: held-out code whose last ``SPAN_CUE`` tokens repeat a span from its first half (the
+  only earlier occurrence of those tokens); greedy generation must continue with the ``SPAN_ANSWER``
+  tokens that followed the span there. Copying a passage seen far back, the form of recall that small
+  models trained on little text (the bundled references) can do at all.
 
-Recall scoring is exact match: :func:`extract_answer` takes the generated text, drops leading
-whitespace and keeps the leading run of ``[0-9]``; the example scores 1 iff that equals the answer.
+Recall scoring is exact match. Code recall and passkey: :func:`extract_answer` takes the generated text,
+drops leading whitespace and keeps the leading run of ``[0-9]``; the example scores 1 iff that equals the
+answer. Span recall: the text of the first ``SPAN_ANSWER`` generated tokens must equal the answer's text.
 Contexts are token-exact: the pieces (header, filler, query) are tokenized separately and concatenated,
 filler cut at a token so that every context has exactly ``context_len`` tokens (no padding, one
 budget per batch). Seeds fix names, values, depths and filler offsets.
@@ -32,7 +37,10 @@ import torch
 
 from kvexport.errors import BadUsage
 
-TASKS = ("next_token", "code_recall", "passkey")
+TASKS = ("next_token", "code_recall", "passkey", "span_recall")
+RECALL_TASKS = TASKS[1:]
+#: span_recall: tokens of the repeated cue that ends the context, and tokens to reproduce after it
+SPAN_CUE, SPAN_ANSWER = 16, 8
 
 WORDS = (
     "buffer", "limit", "retry", "offset", "width", "depth", "timeout", "index", "count", "level", "weight", "scale",
@@ -74,6 +82,7 @@ class RecallExample:
     answer: str
     kind: str
     depth: float  # where the answer sits in the context, 0 = start, 1 = end
+    answer_ids: tuple[int, ...] = ()  # span_recall: the tokens to reproduce (scored on their text)
 
 
 def extract_answer(generated: str) -> str:
@@ -150,16 +159,63 @@ def passkey_examples(tok, settings: TaskSettings) -> list[RecallExample]:
     return out
 
 
+def _occurs(seq: list[int], sub: list[int]) -> int:
+    """How many times ``sub`` occurs in ``seq`` (overlapping)."""
+    n = len(sub)
+    return sum(seq[i : i + n] == sub for i in range(len(seq) - n + 1))
+
+
+def span_recall_examples(tok, settings: TaskSettings, texts: list[str]) -> list[RecallExample]:
+    """``settings.n_recall`` span-recall contexts from held-out ``texts``, seeded: the context is held-out code
+    whose last SPAN_CUE tokens are a copy of a span in its first half, unique in the context; the answer is
+    the SPAN_ANSWER tokens that followed that span."""
+    rng = random.Random(settings.seed * 1000 + 3)
+    C = settings.context_len
+    body = C - len(_bos(tok)) - SPAN_CUE
+    if body < SPAN_CUE + SPAN_ANSWER + 8:
+        raise BadUsage(f"span_recall: context_len {C} is too short for a {SPAN_CUE}-token cue and its answer")
+    hi = max(2, body // 2 - SPAN_CUE - SPAN_ANSWER)  # the span ends in the first half when there is room
+    lo = min(max(1, int(0.05 * body)), hi - 1)
+    pool = [t for t in texts if len(t) > 4000]
+    out = []
+    while len(out) < settings.n_recall:
+        text = rng.choice(pool)
+        start = text.find("\n", rng.randrange(len(text) // 2)) + 1
+        filler = _ids(tok, text[start : start + 6000])[:body]
+        at = rng.randrange(lo, hi)
+        cue, answer = filler[at : at + SPAN_CUE], filler[at + SPAN_CUE : at + SPAN_CUE + SPAN_ANSWER]
+        if len(filler) < body or _occurs(filler, cue) != 1:
+            continue  # short file, or an ambiguous cue (repeated code): draw again
+        prompt = _bos(tok) + filler + cue
+        depth = (len(_bos(tok)) + at + SPAN_CUE + SPAN_ANSWER) / C
+        out.append(RecallExample(prompt, tok.decode(answer), "span_recall", depth, tuple(answer)))
+    return out
+
+
 def recall_examples(tok, settings: TaskSettings) -> dict[str, list[RecallExample]]:
     from kvexport.eval.data import heldout_texts
 
-    return {"code_recall": code_recall_examples(tok, settings, heldout_texts()),
-            "passkey": passkey_examples(tok, settings)}
+    texts = heldout_texts()
+    return {"code_recall": code_recall_examples(tok, settings, texts),
+            "passkey": passkey_examples(tok, settings),
+            "span_recall": span_recall_examples(tok, settings, texts)}
 
 
 def answer_tokens(tok, answer: str) -> int:
-    """Tokens to generate for an answer: its own tokens after a space, plus one (to see where it ends)."""
+    """Tokens to generate for a numeric answer: its own tokens after a space, plus one (to see where it ends)."""
     return len(_ids(tok, " " + answer)) + 1
+
+
+def _new_tokens(tok, e: RecallExample) -> int:
+    return len(e.answer_ids) if e.answer_ids else answer_tokens(tok, e.answer)
+
+
+def prediction(tok, e: RecallExample, generated: list[int]) -> str:
+    """What an example's generated tokens answer: the text of the first len(answer_ids) tokens for a span,
+    else :func:`extract_answer` of the generated text."""
+    if e.answer_ids:
+        return tok.decode(generated[: len(e.answer_ids)])
+    return extract_answer(tok.decode(generated))
 
 
 class TaskSet:
@@ -180,8 +236,9 @@ class TaskSet:
         return {"tasks": list(TASKS), "settings": self.settings.to_dict(),
                 "examples": {"next_token": int(self.windows.shape[0]) * self.settings.future_len,
                              **{k: len(v) for k, v in self.recall.items()}},
-                "accuracy": "mean of the three task scores (next-token top-1 accuracy, code_recall and passkey "
-                            "exact match)"}
+                "span_recall": {"cue_tokens": SPAN_CUE, "answer_tokens": SPAN_ANSWER},
+                "accuracy": "mean of the four task scores (next-token top-1 accuracy; code_recall, passkey and "
+                            "span_recall exact match)"}
 
 
 @torch.no_grad()
@@ -208,13 +265,13 @@ def recall_accuracy(decoder, tok, examples: list[RecallExample], settings: TaskS
 
     preds: list[str] = []
     hits = 0
-    new = max(answer_tokens(tok, e.answer) for e in examples)
+    new = max(_new_tokens(tok, e) for e in examples)
     for s in range(0, len(examples), settings.batch):
         chunk = examples[s : s + settings.batch]
         ids = torch.tensor([e.prompt for e in chunk], dtype=torch.long)
         res = generate(decoder, ids, press=press, window=new + 1, max_new_tokens=new)
         for e, row in zip(chunk, res.tokens.tolist(), strict=True):
-            p = extract_answer(tok.decode(row))
+            p = prediction(tok, e, row)
             preds.append(p)
             hits += p == e.answer
     acc = hits / len(examples)
@@ -222,7 +279,7 @@ def recall_accuracy(decoder, tok, examples: list[RecallExample], settings: TaskS
 
 
 def evaluate_tasks(decoder, taskset: TaskSet, press=None) -> dict:
-    """-> {"next_token": acc, "code_recall": em, "passkey": em, "accuracy": mean of the three}."""
+    """-> {"next_token": acc, "code_recall": em, "passkey": em, "span_recall": em, "accuracy": mean of the four}."""
     s = taskset.settings
     out = {"next_token": next_token_accuracy(decoder, taskset.windows, s, press)}
     for k, ex in taskset.recall.items():

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from kvexport.eval.tasks import TASKS
 from kvexport.paths import DEFAULT_MODEL
 
 pytestmark = [
@@ -32,7 +33,7 @@ def test_mla_and_combo_cli(tmp_path):
     assert res["baseline"] == pytest.approx(evaluate_tasks(load_decoder(DEFAULT_MODEL)[0], ts))
     for by_rank in res["results"]["kvx-student"].values():
         for r in by_rank.values():
-            assert r["accuracy"] == pytest.approx((r["next_token"] + r["code_recall"] + r["passkey"]) / 3)
+            assert r["accuracy"] == pytest.approx(sum(r[k] for k in TASKS) / 4)
     assert (tmp_path / "mla_kvx-student.png").stat().st_size > 0
 
     rc = main(["eval", "combo", str(DEFAULT_MODEL), "--targets", "6.4", "--press", "knorm", "--tokens", "1024",

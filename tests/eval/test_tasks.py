@@ -7,6 +7,9 @@ import pytest
 import torch
 
 from kvexport.eval.tasks import (
+    SPAN_ANSWER,
+    SPAN_CUE,
+    TASKS,
     TaskSet,
     TaskSettings,
     evaluate_tasks,
@@ -56,15 +59,22 @@ def test_examples_are_exact_deterministic_and_hold_the_answer(student):
     a, b = TaskSet(tok, SMALL), TaskSet(tok, SMALL)
     assert torch.equal(a.windows, b.windows) and a.windows.shape == (3, 64 + 6 + 1)
     other = TaskSet(tok, TaskSettings(**{**SMALL.to_dict(), "seed": 4}))
-    for kind in ("code_recall", "passkey"):
+    for kind in ("code_recall", "passkey", "span_recall"):
         ex = a.recall[kind]
         assert [e.prompt for e in ex] == [e.prompt for e in b.recall[kind]]
         assert [e.answer for e in ex] != [e.answer for e in other.recall[kind]]
         for e in ex:
             assert len(e.prompt) == 64 and e.prompt[0] == tok.bos_token_id
             text = tok.decode(e.prompt)
-            assert e.answer in text and len(e.answer) == 5
+            assert e.answer in text and (kind == "span_recall" or len(e.answer) == 5)
             assert 0 < e.depth < 0.7  # the answer sits well before the query
+    for e in a.recall["span_recall"]:
+        cue, ans = e.prompt[-SPAN_CUE:], list(e.answer_ids)
+        assert len(ans) == SPAN_ANSWER and tok.decode(ans) == e.answer
+        hits = [i for i in range(len(e.prompt) - SPAN_CUE) if e.prompt[i : i + SPAN_CUE] == cue]
+        assert len(hits) == 1  # the cue's one earlier occurrence, in the first half, followed by the answer
+        i = hits[0]
+        assert i < 32 and e.prompt[i + SPAN_CUE : i + SPAN_CUE + SPAN_ANSWER] == ans
     code = tok.decode(a.recall["code_recall"][0].prompt)
     name = code.rsplit("\n", 1)[1].removesuffix(" =")
     assert f"{name} = {a.recall['code_recall'][0].answer}\n" in code  # the query names a bound variable
@@ -92,4 +102,13 @@ def test_scores_match_hf(student):
     assert preds == ref_preds
     assert acc == sum(p == e.answer for p, e in zip(preds, ex, strict=True)) / len(ex)
     scores = evaluate_tasks(dec, ts)
-    assert scores["accuracy"] == pytest.approx((scores["next_token"] + scores["code_recall"] + scores["passkey"]) / 3)
+    assert scores["accuracy"] == pytest.approx(sum(scores[k] for k in TASKS) / 4)
+    # span recall: the text of the first SPAN_ANSWER greedy tokens, as HF decodes them
+    ex = ts.recall["span_recall"]
+    acc, preds = recall_accuracy(dec, tok, ex, SMALL, return_predictions=True)
+    ids = torch.tensor([e.prompt for e in ex])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=SPAN_ANSWER, do_sample=False,
+                          pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+    assert preds == [tok.decode(r) for r in out.tolist()]
+    assert acc == sum(p == e.answer for p, e in zip(preds, ex, strict=True)) / len(ex)
