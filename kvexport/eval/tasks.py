@@ -38,7 +38,6 @@ import torch
 from kvexport.errors import BadUsage
 
 TASKS = ("next_token", "code_recall", "passkey", "span_recall")
-RECALL_TASKS = TASKS[1:]
 #: span_recall: tokens of the repeated cue that ends the context, and tokens to reproduce after it
 SPAN_CUE, SPAN_ANSWER = 16, 8
 
@@ -172,13 +171,15 @@ def span_recall_examples(tok, settings: TaskSettings, texts: list[str]) -> list[
     rng = random.Random(settings.seed * 1000 + 3)
     C = settings.context_len
     body = C - len(_bos(tok)) - SPAN_CUE
-    if body < SPAN_CUE + SPAN_ANSWER + 8:
+    if body < SPAN_CUE + SPAN_ANSWER + 1:
         raise BadUsage(f"span_recall: context_len {C} is too short for a {SPAN_CUE}-token cue and its answer")
     hi = max(2, body // 2 - SPAN_CUE - SPAN_ANSWER)  # the span ends in the first half when there is room
     lo = min(max(1, int(0.05 * body)), hi - 1)
     pool = [t for t in texts if len(t) > 4000]
-    out = []
-    while len(out) < settings.n_recall:
+    out: list[RecallExample] = []
+    for _ in range(100 * settings.n_recall):
+        if len(out) == settings.n_recall:
+            break
         text = rng.choice(pool)
         start = text.find("\n", rng.randrange(len(text) // 2)) + 1
         filler = _ids(tok, text[start : start + 6000])[:body]
@@ -189,6 +190,9 @@ def span_recall_examples(tok, settings: TaskSettings, texts: list[str]) -> list[
         prompt = _bos(tok) + filler + cue
         depth = (len(_bos(tok)) + at + SPAN_CUE + SPAN_ANSWER) / C
         out.append(RecallExample(prompt, tok.decode(answer), "span_recall", depth, tuple(answer)))
+    if len(out) < settings.n_recall:
+        raise BadUsage(f"span_recall: found {len(out)} of {settings.n_recall} held-out spans whose "
+                       f"{SPAN_CUE}-token cue is unique in its context; use fewer --n-recall examples")
     return out
 
 
@@ -219,7 +223,7 @@ def prediction(tok, e: RecallExample, generated: list[int]) -> str:
 
 
 class TaskSet:
-    """The built examples (token ids) of all three tasks, made once and scored for many models/caches."""
+    """The built examples (token ids) of all four tasks, made once and scored for many models/caches."""
 
     def __init__(self, tok, settings: TaskSettings | None = None):
         from kvexport.eval.data import heldout_windows
