@@ -81,6 +81,38 @@ def _taskset(model_path: str, quick: bool, context_len: Optional[int], n_recall:
     return TaskSet(tok, TaskSettings(**kw))
 
 
+def _press_kwargs(text: str) -> dict:
+    """--press-kwargs JSON -> {press name: {setting: value}}, every setting checked by building the press."""
+    import dataclasses
+
+    from kvexport.errors import BadUsage
+    from kvexport.presses import PRESSES
+
+    if not text.strip():
+        return {}
+    try:
+        kw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadUsage(f"--press-kwargs is not valid JSON ({e.msg}); accepted: an object of press name -> "
+                       '{setting: value}, e.g. {"expected_attention": {"n_future_positions": 32}}') from None
+    if not isinstance(kw, dict) or not all(isinstance(v, dict) for v in kw.values()):
+        raise BadUsage("--press-kwargs must map press names to objects of settings, "
+                       'e.g. {"expected_attention": {"n_future_positions": 32}}')
+    for name, settings in kw.items():
+        cls = PRESSES.get(name)
+        if cls is None:
+            raise BadUsage(f"--press-kwargs: unknown press {name!r}; accepted: {', '.join(PRESSES)}")
+        known = {f.name for f in dataclasses.fields(cls)} - {"compression_ratio", "budget", "future"}
+        bad = sorted(set(settings) - known)
+        if bad:
+            raise BadUsage(f"--press-kwargs: {name} has no setting {bad[0]!r}; accepted: {', '.join(sorted(known))}")
+        try:
+            cls(compression_ratio=0.5, **settings)  # the press's own checks on the values
+        except (TypeError, ValueError) as e:
+            raise BadUsage(f"--press-kwargs: bad value for {name} ({e})") from None
+    return kw
+
+
 @eval_app.command("presses")
 def presses_cmd(
     model: Optional[str] = typer.Argument(None, help="HF model directory. Default: the bundled reference student."),
@@ -92,6 +124,9 @@ def presses_cmd(
     prompt_len: int = typer.Option(192, help="Prompt tokens P, compressed once after prefill."),
     future_len: int = typer.Option(32, help="Future tokens F, teacher-forced with the compressed cache and scored."),
     batch: int = typer.Option(8, help="Windows per forward pass."),
+    press_kwargs: str = typer.Option(
+        "", help='Press settings as JSON, per press name, e.g. \'{"expected_attention": {"n_future_positions": 32}}\'.'
+    ),
     quick: bool = typer.Option(False, "--quick", help="8 windows, P=128, F=16 (minutes on a CPU)."),
     out: Path = typer.Option(Path("."), help=OUT_HELP),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
@@ -118,6 +153,7 @@ def presses_cmd(
         prompt_len=prompt_len,
         future_len=future_len,
         batch=batch,
+        press_kwargs=_press_kwargs(press_kwargs),
     )
     if windows < 1:
         raise BadUsage(f"--windows {windows} must be >= 1")
@@ -138,7 +174,8 @@ def presses_cmd(
     result = press_study(decoder, wins, study, progress=progress)
     result["model"] = Path(model_path).name
     result["command"] = f"kvexport eval presses {model_path} --ratios {ratios} --presses {','.join(study.presses)} " + (
-        "--quick" if quick else f"--windows {windows} --prompt-len {prompt_len} --future-len {future_len}")
+        "--quick" if quick else f"--windows {windows} --prompt-len {prompt_len} --future-len {future_len}") + (
+        f" --press-kwargs '{press_kwargs}'" if press_kwargs else "")
     result["quick"] = quick
     result["wall_s"] = time.perf_counter() - t0
     json_path, png_path = _paths(out, "presses", model_path, quick)

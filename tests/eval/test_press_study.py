@@ -131,3 +131,26 @@ def test_cli_on_student_optimal_beats_random(tmp_path):
         logits = load_hf_model(DEFAULT_MODEL)(w[:, :72]).logits[:, 64:72]
     ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), w[:, 65:73].flatten())
     assert res["full_cache"]["ppl"] == pytest.approx(math.exp(ce.item()), rel=1e-4)
+
+
+def test_cli_press_kwargs_reach_the_press(tmp_path):
+    """--press-kwargs gives Expected Attention its n_future_positions: the CLI's JSON equals press_study with
+    the same setting, and differs from the default's."""
+    from kvexport.cli import main
+    from kvexport.eval.data import heldout_windows
+    from kvexport.models.loading import load_decoder, load_tokenizer
+
+    kw = {"expected_attention": {"n_future_positions": 8}}
+    args = ["eval", "presses", str(DEFAULT_MODEL), "--ratios", "0.5", "--presses", "expected_attention", "--windows",
+            "2", "--prompt-len", "48", "--future-len", "8", "--press-kwargs", json.dumps(kw), "--out", str(tmp_path)]
+    assert main(args) == 0
+    res = json.loads((tmp_path / "presses_kvx-student.json").read_text())
+    assert res["settings"]["press_kwargs"] == kw and "--press-kwargs" in res["command"]
+    dec, _ = load_decoder(DEFAULT_MODEL)
+    w = heldout_windows(load_tokenizer(DEFAULT_MODEL), 2, 48 + 8 + 1)
+    study = dict(ratios=(0.5,), presses=("expected_attention",), prompt_len=48, future_len=8)
+    ref = press_study(dec, w, PressStudy(**study, press_kwargs=kw))["results"]["expected_attention"]["0.5"]
+    default = press_study(dec, w, PressStudy(**study))["results"]["expected_attention"]["0.5"]
+    got = res["results"]["expected_attention"]["0.5"]
+    assert got["discrepancy"] == pytest.approx(ref["discrepancy"], rel=1e-5)
+    assert got["discrepancy"] != pytest.approx(default["discrepancy"], rel=1e-3)

@@ -236,6 +236,18 @@ CASES: list[tuple[str, Callable[[Ctx], list], int, tuple[str, ...]]] = [
     ("report-not-a-conversion", lambda c: ["report", c.model], 4, ("convert.json",)),
     ("eval-ratios-not-numbers", lambda c: ["eval", "presses", c.model, "--ratios", "abc"], 2, ("--ratios",)),
     ("eval-windows-zero", lambda c: ["eval", "presses", c.model, "--windows", "0"], 2, ("--windows",)),
+    ("eval-press-kwargs-not-json", lambda c: ["eval", "presses", c.model, "--press-kwargs", "{n_future: 3"], 2,
+     ("--press-kwargs", "JSON")),
+    ("eval-press-kwargs-not-nested", lambda c: ["eval", "presses", c.model, "--press-kwargs", '{"knorm": 3}'], 2,
+     ("--press-kwargs", "objects")),
+    ("eval-press-kwargs-unknown-press", lambda c: ["eval", "presses", c.model, "--press-kwargs", '{"nope": {}}'], 2,
+     ("nope", "expected_attention")),
+    ("eval-press-kwargs-unknown-setting", lambda c: ["eval", "presses", c.model, "--press-kwargs",
+                                                     '{"expected_attention": {"n_futur": 32}}'], 2,
+     ("n_futur", "n_future_positions")),
+    ("eval-press-kwargs-bad-value", lambda c: ["eval", "presses", c.model, "--press-kwargs",
+                                               '{"expected_attention": {"n_future_positions": "x"}}'], 2,
+     ("expected_attention",)),
 ]
 
 
