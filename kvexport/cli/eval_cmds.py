@@ -106,6 +106,8 @@ def _press_kwargs(text: str) -> dict:
         bad = sorted(set(settings) - known)
         if bad:
             raise BadUsage(f"--press-kwargs: {name} has no setting {bad[0]!r}; accepted: {', '.join(sorted(known))}")
+        if not settings:
+            continue
         try:
             cls(compression_ratio=0.5, **settings)  # the press's own checks on the values
         except (TypeError, ValueError) as e:
@@ -157,6 +159,9 @@ def presses_cmd(
     )
     if windows < 1:
         raise BadUsage(f"--windows {windows} must be >= 1")
+    unused = [n for n in study.press_kwargs if n not in study.presses]
+    if unused:
+        raise BadUsage(f"--press-kwargs sets {unused[0]!r}, which is not in --presses ({', '.join(study.presses)})")
     model_path = resolve_model(model)
     tok = load_tokenizer(model_path)
     if tok is None:
