@@ -82,6 +82,15 @@ def test_examples_are_exact_deterministic_and_hold_the_answer(student):
 
 
 @needs_student
+def _hf_greedy(hf, tok, examples, new: int) -> list[list[int]]:
+    """HF greedy decoding of ``new`` tokens after each example's prompt -> the generated ids per example."""
+    ids = torch.tensor([e.prompt for e in examples])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                          pad_token_id=tok.pad_token_id)
+    return out[:, ids.shape[1]:].tolist()
+
+
 def test_scores_match_hf(student):
     """Without a press: next-token accuracy = HF argmax accuracy; recall predictions = HF greedy decoding."""
     tok, dec, hf = student
@@ -94,21 +103,12 @@ def test_scores_match_hf(student):
     ex = ts.recall["code_recall"]
     acc, preds = recall_accuracy(dec, tok, ex, SMALL, return_predictions=True)
     new = max(len(tok(" " + e.answer, add_special_tokens=False)["input_ids"]) + 1 for e in ex)
-    ids = torch.tensor([e.prompt for e in ex])
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                          pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
-    ref_preds = [extract_answer(tok.decode(r)) for r in out.tolist()]
-    assert preds == ref_preds
+    assert preds == [extract_answer(tok.decode(r)) for r in _hf_greedy(hf, tok, ex, new)]
     assert acc == sum(p == e.answer for p, e in zip(preds, ex, strict=True)) / len(ex)
     scores = evaluate_tasks(dec, ts)
     assert scores["accuracy"] == pytest.approx(sum(scores[k] for k in TASKS) / 4)
     # span recall: the text of the first SPAN_ANSWER greedy tokens, as HF decodes them
     ex = ts.recall["span_recall"]
     acc, preds = recall_accuracy(dec, tok, ex, SMALL, return_predictions=True)
-    ids = torch.tensor([e.prompt for e in ex])
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=SPAN_ANSWER, do_sample=False,
-                          pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
-    assert preds == [tok.decode(r) for r in out.tolist()]
+    assert preds == [tok.decode(r) for r in _hf_greedy(hf, tok, ex, SPAN_ANSWER)]
     assert acc == sum(p == e.answer for p, e in zip(preds, ex, strict=True)) / len(ex)
