@@ -53,31 +53,32 @@ def latent_attention_reference(q: torch.Tensor, latent: torch.Tensor, q_position
                                latent_positions: torch.Tensor, rank: int, scale: float):
     """Absorbed multi-head latent attention (DeepSeek-V2 "absorb" mode; X-EcoMLA, AMD 2025).
 
-    q (B, Hq, T, R+Dr), latent (B, S, R+Dr), q_positions (B, T), latent_positions (B, S) ->
-    out (B, Hq, T, R) in q's dtype, attn_mass (B, S) float32 (probabilities summed over heads and queries).
-    Slot j is visible to query t iff 0 <= latent_positions[j] <= q_positions[t]; softmax in float32.
+    q (B, Hq, T, R+Dr) absorbed queries ``[W_UK,iᵀ q_nope ; RoPE(q_pe)]``, latent (B, S, R+Dr) cache rows
+    ``[c_kv ; RoPE(k_pe)]``, q_positions (B, T), latent_positions (B, S) int64 (-1 = padding / empty) ->
+    out (B, Hq, T, R) in q's dtype = ``softmax(scale · q·latentᵀ) @ latent[..., :R]``.
+    Slot j is visible to query t iff 0 <= latent_positions[j] <= q_positions[t]; masked logits are
+    ``finfo(float32).min`` (a query that sees nothing averages uniformly); softmax in float32.
+    This is the one reference of the op: the MLA attention calls it, the plugin tests compare with it.
     """
     logits = torch.matmul(q, latent[:, None].transpose(-1, -2)).float() * scale  # (B, Hq, T, S)
     lp = latent_positions[:, None, None, :]
     visible = (lp >= 0) & (lp <= q_positions[:, None, :, None])
     logits = logits.masked_fill(~visible, torch.finfo(torch.float32).min)
     probs = torch.softmax(logits, dim=-1)
-    out = torch.matmul(probs.to(q.dtype), latent[:, None, :, :rank])
-    return out, probs.sum(dim=(1, 2))
+    return torch.matmul(probs.to(q.dtype), latent[:, None, :, :rank])
 
 
 @torch.library.custom_op("kvexport::latent_attention", mutates_args=())
 def latent_attention(q: torch.Tensor, latent: torch.Tensor, q_positions: torch.Tensor,
-                     latent_positions: torch.Tensor, rank: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     latent_positions: torch.Tensor, rank: int, scale: float) -> torch.Tensor:
     """See :func:`latent_attention_reference` (docs/custom_ops.md, LatentAttention)."""
-    out, mass = latent_attention_reference(q, latent, q_positions, latent_positions, rank, scale)
-    return out.contiguous(), mass
+    return latent_attention_reference(q, latent, q_positions, latent_positions, rank, scale).contiguous()
 
 
 @latent_attention.register_fake
 def _latent_attention_fake(q, latent, q_positions, latent_positions, rank, scale):
     B, Hq, T, _ = q.shape
-    return q.new_empty(B, Hq, T, rank), q.new_empty(B, latent.shape[1], dtype=torch.float32)
+    return q.new_empty(B, Hq, T, rank)
 
 
 # ----------------------------------------------------------------------------- ONNX schemas
@@ -108,9 +109,8 @@ def _schema_latent_attention() -> defs.OpSchema:
         "LatentAttention", DOMAIN, OP_VERSION,
         doc="Absorbed MLA attention over a latent cache [c_kv; k_pe] (kvexport docs/custom_ops.md).",
         inputs=[P("q", "T"), P("latent", "T"), P("q_positions", "I"), P("latent_positions", "I")],
-        outputs=[P("out", "T"), P("attn_mass", "M")],
-        type_constraints=[("T", _F, "activation type"), ("I", ["tensor(int64)"], "positions"),
-                          ("M", ["tensor(float)"], "attention mass")],
+        outputs=[P("out", "T")],
+        type_constraints=[("T", _F, "activation type"), ("I", ["tensor(int64)"], "positions")],
         attributes=[
             defs.OpSchema.Attribute("rank", A.INT, "latent (value) width R", required=True),
             defs.OpSchema.Attribute("scale", A.FLOAT, "softmax scale", required=True),
@@ -169,7 +169,7 @@ TopKGather <k, plugin_namespace, plugin_version> (scores, keys, values, position
 _LATENT_ATTENTION_FN = f"""
 <domain: "{DOMAIN}", opset_import: ["" : {OPSET}]>
 LatentAttention <rank, scale, plugin_namespace, plugin_version> (q, latent, q_positions, latent_positions)
-    => (out, attn_mass)
+    => (out)
 {{
     one = Constant <value_ints: ints = [1]> ()
     lat = Unsqueeze (latent, one)
@@ -189,7 +189,6 @@ LatentAttention <rank, scale, plugin_namespace, plugin_version> (q, latent, q_po
     fmin = Constant <value_float: float = -3.4028234663852886e38> ()
     masked = Where (visible, logits, fmin)
     probs = Softmax <axis: int = -1> (masked)
-    attn_mass = ReduceSum <keepdims: int = 0> (probs, ax12)
     pq = CastLike (probs, q)
     r0 = Constant <value_int: int = @rank> ()
     start = Constant <value_ints: ints = [0]> ()
@@ -226,7 +225,7 @@ def _translations() -> dict:
 
     def latent_attention_onnx(q, latent, q_positions, latent_positions, rank: int, scale: float):
         return kvx.LatentAttention(q, latent, q_positions, latent_positions, rank=rank, scale=scale,
-                                   plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION, _outputs=2)
+                                   plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
 
     from onnxscript import opset18 as op
 

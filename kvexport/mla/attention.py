@@ -39,32 +39,15 @@ from kvexport.models.rope import Rotary
 from kvexport.models.spec import ModelSpec
 
 
-def latent_attention(
-    q: torch.Tensor,
-    latent: torch.Tensor,
-    q_positions: torch.Tensor,
-    latent_positions: torch.Tensor,
-    rank: int,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference of the ``kvexport::LatentAttention`` custom op (docs/custom_ops.md).
+def latent_attention(q, latent, q_positions, latent_positions, rank: int, scale: float) -> torch.Tensor:
+    """The ``kvexport::LatentAttention`` op: q (B, Hq, T, R + Dr), latent (B, S, R + Dr) -> out (B, Hq, T, R).
 
-    q (B, Hq, T, R + Dr) absorbed queries ``[W_UK,iᵀ q_nope ; RoPE(q_pe)]``; latent (B, S, R + Dr) cache rows
-    ``[c_kv ; RoPE(k_pe)]``; q_positions (B, T), latent_positions (B, S) int64 (-1 = padding / empty).
-    Slot j is visible to query t iff ``0 <= latent_positions[j] <= q_positions[t]``; masked logits are
-    ``finfo(float32).min`` (a query that sees nothing averages uniformly); softmax in float32.
-
-    Returns out (B, Hq, T, R) = ``softmax(scale · q·latentᵀ) @ latent[..., :R]`` in q's dtype, and
-    attn_mass (B, S) float32 = the probabilities summed over heads and queries (every query, as the
-    contract states; a padding query contributes its uniform row).
+    Its one reference is :func:`kvexport.export.ops.latent_attention_reference` (docs/custom_ops.md); the
+    exporter routes this call to the custom op while tracing.
     """
-    logits = torch.einsum("bhtd,bsd->bhts", q, latent).float() * scale  # (B, Hq, T, S)
-    lp = latent_positions[:, None, None, :]  # (B, 1, 1, S)
-    visible = (lp >= 0) & (lp <= q_positions[:, None, :, None])  # (B, 1, T, S)
-    logits = logits.masked_fill(~visible, torch.finfo(torch.float32).min)
-    probs = torch.softmax(logits, dim=-1)  # (B, Hq, T, S) float32
-    out = torch.einsum("bhts,bsr->bhtr", probs.to(latent.dtype), latent[..., :rank])
-    return out.to(q.dtype), probs.sum(dim=(1, 2))
+    from kvexport.export.ops import latent_attention_reference
+
+    return latent_attention_reference(q, latent, q_positions, latent_positions, rank, scale)
 
 
 class MLAAttention(nn.Module):
@@ -162,7 +145,7 @@ class MLAAttention(nn.Module):
         pos = torch.cat([past_pos, positions[:, None, :]], dim=2)[:, 0]  # (B, S)
         if self.absorb:
             q = self.score_rotary.apply(self.score_queries(q_pre), positions)  # (B, Hq, T, R + Dr)
-            o_lat, _ = latent_attention(q, lat, positions, pos, self.kv_rank, self.scaling)  # (B, Hq, T, R)
+            o_lat = latent_attention(q, lat, positions, pos, self.kv_rank, self.scaling)  # (B, Hq, T, R)
             out = torch.einsum("bhtr,hdr->bhtd", o_lat, self.w_uv())
             b = self.b_uv()
             if b is not None:

@@ -147,14 +147,14 @@ def test_exporter_functions_are_stripped(tmp_path):
         vi("latent", TensorProto.FLOAT, [B, S, D]),
         vi("qpos", TensorProto.INT64, [B, 1]),
         vi("lpos", TensorProto.INT64, [B, S]),
+        vi("scores", TensorProto.FLOAT, [B, 1, S]),
     ]
     outputs = [vi("out", TensorProto.FLOAT, [B, H, 1, R]), vi("kept", TensorProto.FLOAT, [B, 1, k, D])]
     nodes = [
-        ops.make_node("LatentAttention", ["q", "latent", "qpos", "lpos"], ["out", "mass"], rank=R, scale=0.5),
-        helper.make_node("Unsqueeze", ["mass", "ax1"], ["mass3"]),
+        ops.make_node("LatentAttention", ["q", "latent", "qpos", "lpos"], ["out"], rank=R, scale=0.5),
         helper.make_node("Unsqueeze", ["latent", "ax1"], ["lat4"]),
         helper.make_node("Unsqueeze", ["lpos", "ax1"], ["lpos3"]),
-        ops.make_node("TopKGather", ["mass3", "lat4", "lat4", "lpos3"], ["kept", "kv", "kp", "ki"], k=k),
+        ops.make_node("TopKGather", ["scores", "lat4", "lat4", "lpos3"], ["kept", "kv", "kp", "ki"], k=k),
     ]
     init = [helper.make_tensor("ax1", TensorProto.INT64, [1], [1])]
     model = helper.make_model(
