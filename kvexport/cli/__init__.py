@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 
 import typer
@@ -14,6 +16,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # plain click help: flags show no value placeholder (rich help printed `--force <bool>`), and --help
+    # imports nothing beyond typer
+    rich_markup_mode=None,
 )
 
 
@@ -53,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
+    quiet_libraries()
     try:
         with interrupts_raise() as sig:  # SIGINT/SIGTERM/SIGHUP -> Interrupted: temporary outputs are cleaned up
             rv = app(args=args, prog_name="kvexport", standalone_mode=False)
@@ -99,6 +105,18 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return InternalError.exit_code
     return 0
+
+
+def quiet_libraries() -> None:
+    """No progress bars or chatter from the libraries kvexport drives: transformers' ``Loading weights`` bar
+    (it reads HF_HUB_DISABLE_PROGRESS_BARS when imported; switched off directly when already imported) and
+    accelerate's ``Removed shared tensor`` warning when a checkpoint of a model with tied weights is saved."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
 
 
 def run() -> None:

@@ -11,8 +11,10 @@ from kvexport.cli import app
 @app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
                                         "help_option_names": []})
 def bench_cmd(ctx: typer.Context) -> None:
-    """Benchmark kvexport against HF transformers and Optimum's ONNX export (all arguments go to
-    ``python -m benchmarks``; try ``kvexport bench --help``). Needs a source checkout (benchmarks/)."""
+    """Benchmark kvexport against HF transformers and Optimum's ONNX export.
+
+    Every argument goes to `python -m benchmarks` (its options: `kvexport bench --help`). Needs a source
+    checkout (the benchmarks/ folder)."""
     from kvexport.errors import BadUsage
 
     try:

@@ -1,14 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Shared CLI pieces: model argument resolution, press options, prompt encoding."""
+"""Shared CLI pieces: model argument resolution, press options, prompt encoding, consoles.
+
+Imports nothing heavy at module level: ``kvexport --help`` loads this module (torch is imported by the
+functions that need it)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvexport.errors import BadUsage
 from kvexport.paths import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    import torch
 
 PRESS_HELP = (
     "Eviction press: streaming_llm, knorm, keydiff, tova, snapkv, pyramidkv, expected_attention, "
@@ -40,6 +45,8 @@ def build_press(press: str | None, budget: int | None, ratio: float | None):
 
 def encode_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts -> left-padded input_ids, attention_mask (B, N)."""
+    import torch
+
     if not prompts:
         raise BadUsage("no --prompt given")
     if tokenizer is None:

@@ -11,9 +11,9 @@ from typing import Optional
 import typer
 
 from kvexport.cli import app
-from kvexport.eval.press_study import STUDY_PRESSES
 
-eval_app = typer.Typer(help="Quality studies on a trained model (held-out Python stdlib text).", no_args_is_help=True)
+eval_app = typer.Typer(help="Quality studies on a trained model (held-out Python stdlib text).", no_args_is_help=True,
+                       rich_markup_mode=None)
 app.add_typer(eval_app, name="eval")
 
 #: --quick settings of each study (sized for < 15 min on 2 shared CPU cores with the bundled student)
@@ -119,8 +119,9 @@ def _press_kwargs(text: str) -> dict:
 def presses_cmd(
     model: Optional[str] = typer.Argument(None, help="HF model directory. Default: the bundled reference student."),
     ratios: str = typer.Option("0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9", help="Compression ratios in [0, 1)."),
-    presses: str = typer.Option(
-        ",".join(STUDY_PRESSES), help="Comma-separated press names (optimal = oracle with the true future queries)."
+    presses: Optional[str] = typer.Option(
+        None, help="Comma-separated press names (optimal = oracle with the true future queries). Default: the study's "
+        "set: expected_attention, knorm, tova, keydiff, snapkv, pyramidkv, streaming_llm, random, optimal."
     ),
     windows: int = typer.Option(64, help="Held-out windows (prompts) to average over."),
     prompt_len: int = typer.Option(192, help="Prompt tokens P, compressed once after prefill."),
@@ -142,9 +143,10 @@ def presses_cmd(
     from kvexport.errors import BadUsage
     from kvexport.eval.data import heldout_windows
     from kvexport.eval.plots import plot_press_study
-    from kvexport.eval.press_study import PressStudy, press_study
+    from kvexport.eval.press_study import STUDY_PRESSES, PressStudy, press_study
     from kvexport.models.loading import load_decoder, load_tokenizer
 
+    presses = presses or ",".join(STUDY_PRESSES)
     console = _console()
     _setup(threads)
     if quick:

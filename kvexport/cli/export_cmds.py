@@ -14,8 +14,8 @@ from kvexport.cli.common import PRESS_HELP, resolve_model
 
 @app.command("export")
 def export_cmd(
-    model: Optional[str] = typer.Argument(None, help="HF model directory or a saved MLA directory (kvexport mla). "
-                                          "Default: the bundled reference student."),
+    model: Optional[str] = typer.Argument(None, help="HF model directory or an MLA directory written by `kvexport "
+                                          "rewrite`. Default: the bundled reference student."),
     out: Path = typer.Option(..., "--out", "-o", help="Output directory (written atomically)."),
     press: str = typer.Option("none", help=PRESS_HELP + " Not exportable: random, optimal."),
     budget: Optional[int] = typer.Option(None, help="Tokens kept per layer and cache head after each compaction."),
@@ -34,26 +34,25 @@ def export_cmd(
     force: bool = typer.Option(False, "--force", help="Replace a non-empty --out."),
 ) -> None:
     """Export to ONNX: prefill-chunk, decode and compaction graphs with fixed-shape caches."""
-    import time
-
-    from rich.console import Console
-
+    from kvexport.cli.progress import StepProgress, stdout_console
     from kvexport.export import export_model
-
-    t0 = time.perf_counter()
-    path = export_model(resolve_model(model), out, press=press, budget=budget, window=window, mla_rank=mla_rank,
-                        rope_dim=rope_dim, batch=batch, chunk=chunk, dtype=dtype, ops=ops,
-                        dynamic_cache=dynamic_cache, force=force, max_positions=max_positions)
     from kvexport.export.manifest import read_manifest
 
-    m = read_manifest(path)
-    files = ", ".join(sorted(m["files"]))
-    Console().print(f"exported to {path} in {time.perf_counter() - t0:.1f}s: {files}", highlight=False)
+    console = _stderr()
+    with StepProgress(console, f"exporting {out}") as p:
+        kw = {"progress": p.callback} if p.callback else {}
+        path = export_model(resolve_model(model), out, press=press, budget=budget, window=window, mla_rank=mla_rank,
+                            rope_dim=rope_dim, batch=batch, chunk=chunk, dtype=dtype, ops=ops,
+                            dynamic_cache=dynamic_cache, force=force, max_positions=max_positions, **kw)
+    files = ", ".join(sorted(read_manifest(path)["files"]))
+    stdout_console().print(f"exported to {path} in {p.elapsed:.1f}s: {files}", highlight=False)
 
 
 @app.command("validate")
 def validate_cmd(
-    directory: Path = typer.Argument(..., help="An export directory written by `kvexport export`."),
+    directory: Path = typer.Argument(..., help="An export directory (`kvexport export`) or a conversion "
+                                     "(`kvexport convert`: validates DIR/onnx and updates DIR/parity.json and the "
+                                     "report)."),
     model: Optional[str] = typer.Option(None, help="The PyTorch model (default: the source recorded in the manifest)."),
     prompt: list[str] = typer.Option([], "--prompt", "-p", help="Prompt text (repeatable). Default: random token "
                                      "ids with lengths below, at and above the budget and over several chunks."),
@@ -62,29 +61,142 @@ def validate_cmd(
     rtol: Optional[float] = typer.Option(None, help="Relative logit tolerance (default fp32 1e-3, fp16 5e-2)."),
     backend: str = typer.Option("onnxruntime", help="onnxruntime (pytorch~onnxruntime) or tensorrt (adds "
                                 "onnxruntime~tensorrt and pytorch~tensorrt; needs engines from `kvexport build-engine`)."),
-    engines: Optional[Path] = typer.Option(None, help="TensorRT engine folder (default: DIR-tensorrt)."),
+    engines: Optional[Path] = typer.Option(None, help="TensorRT engine folder (default: DIR-tensorrt, or DIR/engine "
+                                           "for a conversion)."),
+    eval_data: Optional[str] = typer.Option(None, "--eval-data", help="Held-out text for the fidelity check "
+                                            "(original model vs the export): a UTF-8 file or bundled:NAME."),
+    min_agreement: Optional[float] = typer.Option(None, "--min-agreement", help="Fail (exit 6) when next-token "
+                                                  "agreement with the original model is below this (0..1)."),
+    max_ppl_increase: Optional[float] = typer.Option(None, "--max-ppl-increase", help="Fail (exit 6) when perplexity "
+                                                     "rises by more than this fraction (0.05 = +5 %)."),
+    fidelity: bool = typer.Option(True, "--fidelity/--no-fidelity", help="Also measure what compression costs "
+                                  "against the original model (agreement, KL, perplexity, recall)."),
 ) -> None:
-    """Compare the ONNX graphs (onnxruntime, optionally TensorRT) with the PyTorch model; writes DIR/parity.json,
+    """Compare the ONNX graphs (onnxruntime, optionally TensorRT) with the PyTorch model; writes parity.json,
     exit 6 on failure."""
-    from rich.console import Console
+    from kvexport.cli.progress import StepProgress, stdout_console
+    from kvexport.convert import layout
+    from kvexport.errors import ParityFailure
+    from kvexport.export.validation import validate
+
+    conversion = layout.is_conversion(directory)
+    export = directory / layout.ONNX_DIR if conversion else directory
+    if conversion:
+        layout.verify_conversion(directory, (layout.PARITY_JSON, *layout.REPORT_OUTPUTS))
+        if backend == "tensorrt" and engines is None and (directory / layout.ENGINE_DIR).is_dir():
+            engines = directory / layout.ENGINE_DIR
+    kw = fidelity_kwargs(eval_data, min_agreement, max_ppl_increase, fidelity)
+    with StepProgress(_stderr(), f"validating {export}") as p:
+        if p.callback:
+            kw["progress"] = p.callback
+        rep = validate(export, prompts=list(prompt) or None, steps=steps, atol=atol, rtol=rtol, model=model,
+                       backend=backend, engines=engines, write=not conversion, **kw)
+    target = directory / layout.PARITY_JSON
+    if conversion:
+        layout.write_parity(directory, rep)
+    console = stdout_console()
+    t = pairs_table(rep, f"parity: {export} ({p.elapsed:.0f}s)")
+    console.print(t)
+    for line in fidelity_lines(rep.get("fidelity")):
+        console.print(line, highlight=False)
+    if conversion and (directory / "report.html").is_file():
+        from kvexport.report import write_report
+
+        write_report(directory)
+        console.print(f"updated {target} and {directory / 'report.html'}", highlight=False)
+    failed = [n for n, p in rep["pairs"].items() if not p["passed"]]
+    if failed:
+        raise ParityFailure(f"{', '.join(failed)} outside tolerance; details in {target}")
+    gate = gate_failure(rep.get("fidelity"))
+    if gate:
+        raise ParityFailure(f"{gate}; details in {target}")
+
+
+def fidelity_kwargs(eval_data: str | None, min_agreement: float | None, max_ppl_increase: float | None,
+                    fidelity: bool = True) -> dict:
+    """The fidelity settings the user gave, checked, as keyword arguments of ``validate`` (nothing when none
+    was given, so a validator without them still takes the call)."""
+    from kvexport.errors import BadUsage
+
+    kw: dict = {}
+    if eval_data is not None:
+        if not str(eval_data).startswith("bundled:") and not Path(eval_data).is_file():
+            raise BadUsage(f"--eval-data {eval_data} does not exist (give a UTF-8 text file or bundled:NAME)")
+        kw["eval_data"] = str(eval_data)
+    if min_agreement is not None:
+        if not 0.0 <= min_agreement <= 1.0:
+            raise BadUsage(f"--min-agreement {min_agreement} must be in [0, 1] (e.g. 0.9)")
+        kw["min_agreement"] = float(min_agreement)
+    if max_ppl_increase is not None:
+        if max_ppl_increase < 0:
+            raise BadUsage(f"--max-ppl-increase {max_ppl_increase} must be >= 0 (0.05 = +5 %)")
+        kw["max_ppl_increase"] = float(max_ppl_increase)
+    if not fidelity:
+        if kw:
+            raise BadUsage("--no-fidelity drops the fidelity check; --eval-data/--min-agreement/--max-ppl-increase "
+                           "need it")
+        kw["fidelity"] = False
+    return kw
+
+
+def fidelity_lines(fid: dict | None) -> list[str]:
+    """parity.json's ``fidelity`` object in plain words (nothing for an old parity.json)."""
+    from kvexport.report.render import fidelity_summary
+
+    if not isinstance(fid, dict):
+        return []
+    return [f"what compression cost ({fid.get('eval_data', '?')}, {fid.get('scored_tokens', '?')} tokens): "
+            + fidelity_summary(fid)]
+
+
+def gate_failure(fid: dict | None) -> str | None:
+    """One line naming the fidelity gate that failed, or None."""
+    if not isinstance(fid, dict):
+        return None
+    g = fid.get("gates") or {}
+    if g.get("passed") is not False:
+        return None
+    why = []
+    if g.get("min_agreement") is not None and fid.get("next_token_agreement", 1.0) < g["min_agreement"]:
+        why.append(f"next-token agreement {fid['next_token_agreement']:.3f} < --min-agreement {g['min_agreement']:g}")
+    if g.get("max_ppl_increase") is not None and fid.get("ppl_increase", 0.0) > g["max_ppl_increase"]:
+        why.append(f"perplexity +{100 * fid['ppl_increase']:.1f} % > --max-ppl-increase "
+                   f"{100 * g['max_ppl_increase']:g} %")
+    return "fidelity gate failed: " + ("; ".join(why) or "see the fidelity block")
+
+
+def pairs_table(rep: dict, title: str):
     from rich.table import Table
 
-    from kvexport.errors import ParityFailure
-    from kvexport.export.validation import PARITY_FILE, validate
-
-    rep = validate(directory, prompts=list(prompt) or None, steps=steps, atol=atol, rtol=rtol, model=model,
-                   backend=backend, engines=engines)
-    t = Table(title=f"parity: {directory}")
+    t = Table(title=title)
     for col in ("pair", "max abs", "max rel", "tokens", "kept idx", "steps", "atol", "rtol", "passed"):
-        t.add_column(col)
+        t.add_column(col, no_wrap=True)
     for name, p in rep["pairs"].items():
         t.add_row(name, f"{p['max_abs_logit_error']:.2e}", f"{p['max_rel_logit_error']:.2e}",
                   f"{p['token_agreement']:.3f}", f"{p['index_agreement']:.3f}", str(p["steps"]),
                   f"{p['tolerances']['atol']:g}", f"{p['tolerances']['rtol']:g}", "yes" if p["passed"] else "NO")
-    Console().print(t)
-    failed = [n for n, p in rep["pairs"].items() if not p["passed"]]
-    if failed:
-        raise ParityFailure(f"{', '.join(failed)} outside tolerance; details in {Path(directory) / PARITY_FILE}")
+    return t
+
+
+def _stderr():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def generation_dir(d: Path) -> Path:
+    """The export to generate from: ``d`` itself, ``d/onnx`` for a conversion; a folder of engines or an MLA
+    model is refused with the command that takes it."""
+    from kvexport.convert import layout
+    from kvexport.errors import BadUsage
+
+    if layout.is_conversion(d):
+        return d / layout.ONNX_DIR
+    kind = (layout.read_manifest(d) or {}).get("kind")
+    if kind == "tensorrt-engines":
+        raise BadUsage(f"{d} holds TensorRT engines; give the export they were built from: `kvexport generate "
+                       f"EXPORT_DIR --backend tensorrt --engines {d}`")
+    return d
 
 
 def open_generator(directory: Path, backend: str = "onnxruntime", engines: Path | None = None):

@@ -12,15 +12,19 @@ import typer
 from kvexport.cli import app
 from kvexport.cli.common import PRESS_HELP, build_press, encode_prompts, read_prompt_file, resolve_model
 
+DEFAULT_BUDGET = 256
+
 
 @app.command("generate")
 def generate_cmd(
-    model: Optional[str] = typer.Argument(None, help="HF model directory (config.json + safetensors + tokenizer). "
-                                          "Default: the bundled reference student."),
+    model: Optional[str] = typer.Argument(None, help="HF model directory (config.json + safetensors + tokenizer), an "
+                                          "MLA directory, an export (`kvexport export`) or a conversion (`kvexport "
+                                          "convert`: runs DIR/onnx). Default: the bundled reference student."),
     prompt: list[str] = typer.Option([], "--prompt", "-p", help="Prompt text; repeat for a left-padded batch."),
     prompt_file: Optional[Path] = typer.Option(None, help="Read one prompt from a UTF-8 text file."),
     press: str = typer.Option("snapkv", help=PRESS_HELP),
-    budget: Optional[int] = typer.Option(256, help="Tokens kept per layer and KV head after each compaction."),
+    budget: Optional[int] = typer.Option(None, help=f"Tokens kept per layer and KV head after each compaction "
+                                         f"(default {DEFAULT_BUDGET} with a press)."),
     ratio: Optional[float] = typer.Option(None, help="Instead of --budget: fraction of the prompt to evict, in [0, 1)."),
     window: int = typer.Option(32, help="Recent-token slots appended while decoding before the next compaction."),
     chunk: Optional[int] = typer.Option(None, help="Prefill in chunks of this many tokens (bounded peak memory)."),
@@ -39,17 +43,18 @@ def generate_cmd(
     from kvexport.models.loading import check_model_dir, load_decoder, load_tokenizer
 
     console = Console()
-    if ratio is not None:
-        budget = None
+    if press not in (None, "none") and budget is None and ratio is None:
+        budget = DEFAULT_BUDGET
     if max_new_tokens < 1:
         raise BadUsage(f"--max-new-tokens {max_new_tokens} must be >= 1")
     prompts = list(prompt)
     if prompt_file is not None:
         prompts.append(read_prompt_file(prompt_file))
-    if model is not None and not is_mla_dir(model) and (Path(model) / "manifest.json").is_file():  # an ONNX export
-        from kvexport.cli.export_cmds import generate_from_export
+    if model is not None and not is_mla_dir(model) and (Path(model) / "manifest.json").is_file():  # an artifact
+        from kvexport.cli.export_cmds import generate_from_export, generation_dir
 
-        return generate_from_export(Path(model), prompts, max_new_tokens, backend=backend, engines=engines)
+        return generate_from_export(generation_dir(Path(model)), prompts, max_new_tokens, backend=backend,
+                                    engines=engines)
     if backend != "onnxruntime" or engines is not None:
         raise BadUsage(f"--backend {backend}/--engines need an export directory (`kvexport export` output, with "
                        f"manifest.json); {model or 'the bundled model'} is not one")

@@ -9,7 +9,6 @@ from typing import Optional
 import typer
 
 from kvexport.cli import app
-from kvexport.tensorrt.generator import ENGINE_KIND  # noqa: E402
 
 
 @app.command("build-engine")
@@ -20,7 +19,8 @@ def build_engine_cmd(
     plugins: Optional[Path] = typer.Option(
         None,
         "--plugins",
-        help="libkvexport_plugins.so (default: $KVEXPORT_PLUGINS or build/plugins/ of this checkout).",
+        help="libkvexport_plugins.so (default: $KVEXPORT_PLUGINS or build/plugins/ of this checkout; build it with "
+        "cmake, see docs/tensorrt.md).",
     ),
     fp16: bool = typer.Option(False, "--fp16", help="Let TensorRT use FP16 kernels where the graph allows."),
     out: Optional[Path] = typer.Option(None, "--out", help="Engine folder, written atomically with its own manifest "
@@ -35,6 +35,7 @@ def build_engine_cmd(
     from kvexport.tensorrt import build_engine, find_onnx_graphs
     from kvexport.tensorrt.backend import import_tensorrt
     from kvexport.tensorrt.engine import write_build_record
+    from kvexport.tensorrt.generator import ENGINE_KIND
     from kvexport.tensorrt.plugins import check_plugin_library_file
 
     console = Console()
