@@ -83,48 +83,54 @@ def profile_cmd(
     contexts: Optional[str] = typer.Option(None, "--contexts", help="Context lengths, e.g. 512,2048,8192 "
                                            "(default: the conversion's)."),
     decode_steps: int = typer.Option(32, "--decode-steps", help="Timed decode steps per context."),
+    repeats: int = typer.Option(3, "--repeats", help="Timed runs per context (the report shows their spread)."),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="Profile the full-cache baseline too."),
     report: bool = typer.Option(True, "--report/--no-report", help="Regenerate the report afterwards "
                                 "(convert directories)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the JSON here instead of DIR/profile.json "
-                                       "(needed for a bare export directory, whose manifest forbids new files)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the JSON here instead of "
+                                       "DIR/profile-BACKEND.json (a bare export: EXPORT.profile-BACKEND.json "
+                                       "beside it)."),
 ) -> None:
-    """Prefill/decode latency, tokens/s, KV bytes and memory per context length -> DIR/profile.json."""
+    """Prefill/decode latency, tokens/s, KV bytes and memory per context length -> DIR/profile-BACKEND.json
+    (one file per backend; the report shows each)."""
     from rich.console import Console
     from rich.table import Table
 
+    from kvexport.cli.progress import StepProgress, stdout_console
     from kvexport.convert.config import parse_contexts
     from kvexport.convert.layout import read_convert_json
-    from kvexport.errors import BadUsage
     from kvexport.profile.run import profile_dir, profile_target
 
     console = Console(stderr=True)
     ctx = parse_contexts(contexts, "--contexts") if contexts else None
-    target = out or profile_target(directory)
-    if target is None:
-        raise BadUsage(f"{directory} is an export directory whose manifest does not allow a profile.json; "
-                       "give --out FILE")
-    with console.status(f"profiling {directory} on {backend} ..."):
+    target = out or profile_target(directory, backend)
+    with StepProgress(console, f"profiling {directory} on {backend}") as p:
         prof = profile_dir(directory, backend=backend, contexts=ctx, decode_steps=decode_steps, baseline=baseline,
-                           write=target)
-    t = Table(title=f"{directory} ({backend})")
+                           write=target, repeats=repeats, progress=p.callback)
+    t = Table(title=f"{directory} ({backend}, {repeats} runs per context)")
     t.add_column("variant", no_wrap=True)
-    for h in ("context", "TTFT s", "decode p50 ms", "p90 ms", "tok/s", "KV KiB", "peak RSS MiB"):
-        t.add_column(h, justify="right")
+    for h in ("context", "TTFT s", "decode p50 ms", "p10-p90 over runs", "tok/s", "KV KiB", "peak RSS MiB"):
+        t.add_column(h, justify="right", no_wrap=True)
     for name, v in prof["variants"].items():
         for r in v["contexts"]:
+            sp = r["spread"]["decode_ms_p50"]
             t.add_row(name, str(r["context"]), f"{r['ttft_s']:.3f}", f"{r['decode_ms_p50']:.2f}",
-                      f"{r['decode_ms_p90']:.2f}", f"{r['tokens_per_s']:.1f}",
+                      f"{sp['p10']:.2f}-{sp['p90']:.2f}", f"{r['tokens_per_s']:.1f}",
                       f"{r.get('kv_bytes', 0) / 2**10:.1f}", f"{r['peak_rss_bytes'] / 2**20:.0f}")
-    Console().print(t)
+    stdout_console().print(t)
     for s in prof.get("skipped_contexts") or []:
         console.print(f"[yellow]skipped context {s['context']}: {s['reason']}[/]", highlight=False)
+    from kvexport.report.render import profile_warnings
+
+    for w in profile_warnings(prof):
+        console.print(f"[yellow]note: {w}[/]", highlight=False)
     report = report and out is None and read_convert_json(directory) is not None
     if report:
         from kvexport.report import write_report
 
         write_report(directory)
-    console.print(f"wrote {target}" + (" and the report" if report else ""))
+    console.print(f"wrote {target}" + (" and the report" if report else "") + f" in {p.elapsed:.0f}s",
+                  highlight=False)
 
 
 @app.command("report")

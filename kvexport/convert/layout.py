@@ -6,10 +6,12 @@
     DIR/baseline/         the uncompressed baseline export (full cache, growing past), for comparison
     DIR/engine/           TensorRT engines (--target tensorrt)
     DIR/mla/              the MLA model (rewritten, distilled) the export was made from
-    DIR/parity.json       validation per backend pair (copied from onnx/parity.json)
-    DIR/profile.json      latency, memory, cache accounting (``kvexport profile DIR``)
+    DIR/parity.json       validation per backend pair, fidelity against the original model
+                          (``kvexport validate DIR`` rewrites it)
+    DIR/profile-B.json    latency, memory, cache accounting on backend B (``kvexport profile DIR --backend B``;
+                          one file per backend, side by side; an older DIR/profile.json is onnxruntime's)
     DIR/report.html       self-contained report; report.md + plots/*.png; report.json
-    DIR/manifest.json     sha256 of the top-level files above (convert.json, parity.json, profile.json,
+    DIR/manifest.json     sha256 of the top-level files above (convert.json, parity.json, profile-*.json,
                           report.*, plots/*); the sub-directories carry their own manifests
 """
 
@@ -27,8 +29,24 @@ BASELINE_DIR = "baseline"
 ENGINE_DIR = "engine"
 MLA_DIR = "mla"
 PARITY_JSON = "parity.json"
+#: the profile of a conversion before profiles were kept per backend (read as onnxruntime's)
 PROFILE_JSON = "profile.json"
 MANIFEST = "manifest.json"
+
+
+def profile_name(backend: str) -> str:
+    """File name of the profile taken on ``backend``: ``profile-onnxruntime.json``, ..."""
+    return f"profile-{backend}.json"
+
+
+def profile_files(d: str | Path) -> dict[str, Path]:
+    """{backend: path} of every profile in ``d``; a legacy ``profile.json`` counts as onnxruntime's unless
+    ``profile-onnxruntime.json`` exists too."""
+    d = Path(d)
+    out = {p.name[len("profile-"):-len(".json")]: p for p in sorted(d.glob("profile-*.json")) if p.is_file()}
+    if (d / PROFILE_JSON).is_file():
+        out.setdefault("onnxruntime", d / PROFILE_JSON)
+    return dict(sorted(out.items(), key=lambda kv: (kv[0] != "onnxruntime", kv[0])))
 
 
 def _read_json(p: Path) -> Any:
@@ -74,6 +92,7 @@ def record_outputs(d: str | Path) -> Path:
 
     d = Path(d)
     names = [n for n in OUTPUT_FILES if (d / n).is_file()]
+    names += sorted(p.name for p in d.glob("profile-*.json") if p.is_file())
     names += sorted(p.relative_to(d).as_posix() for p in (d / "plots").glob("*.png"))
     doc = {"format": 1, "kind": CONVERSION_KIND, "kvexport_version": _version(),
            "files": {n: sha256_file(d / n) for n in names}}
@@ -89,6 +108,19 @@ def has_outputs_manifest(d: str | Path) -> bool:
 
 
 REPORT_OUTPUTS = ("report.html", "report.md", "report.json", "plots/")
+
+
+def write_parity(d: str | Path, parity: dict[str, Any]) -> Path:
+    """Write DIR/parity.json (atomically) and, for a finished conversion, its new hash into DIR/manifest.json:
+    a re-validation (``kvexport validate DIR``) keeps the directory verifiable."""
+    from kvexport.atomic import atomic_write_bytes
+
+    d = Path(d)
+    path = d / PARITY_JSON
+    atomic_write_bytes(path, (json.dumps(parity, indent=2, default=str) + "\n").encode())
+    if has_outputs_manifest(d):
+        record_outputs(d)
+    return path
 
 
 def verify_conversion(d: str | Path, rewrites: tuple[str, ...] = ()) -> None:
@@ -122,5 +154,6 @@ def export_dir_of(d: str | Path) -> Path:
 
 
 __all__ = ["CONVERT_JSON", "ONNX_DIR", "BASELINE_DIR", "ENGINE_DIR", "MLA_DIR", "PARITY_JSON", "PROFILE_JSON",
+           "profile_name", "profile_files", "write_parity",
            "MANIFEST", "CONVERSION_KIND", "OUTPUT_FILES", "read_convert_json", "is_conversion", "record_outputs",
            "verify_conversion", "has_outputs_manifest", "REPORT_OUTPUTS", "read_manifest", "export_dir_of"]

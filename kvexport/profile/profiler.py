@@ -3,7 +3,8 @@
 
 For each context length C: a fresh sequence, a prompt of C token ids (fixed seed), prefill timed
 (= time to first token: the prefill's last logits give the first token), then ``decode_steps``
-single-token steps each timed. While that runs a thread samples the process RSS (peak), NVML/CUDA
+single-token steps each timed, the whole repeated a few times so that the spread between runs is known.
+While that runs a thread samples the process RSS (peak), NVML/CUDA
 memory is read where a GPU is present, and on a Jetson ``tegrastats`` is sampled too. A short
 warm-up run comes first and is not counted (onnxruntime and PyTorch allocate on their first call).
 """
@@ -33,10 +34,30 @@ def prompt_ids(n: int, vocab_size: int, seed: int = 0, low: int = 3) -> np.ndarr
     return rng.integers(low, max(low + 1, vocab_size), size=(1, n), dtype=np.int64)
 
 
+#: timed runs of each context by default; the report shows the spread (p10-p90) over them
+DEFAULT_REPEATS = 3
+
+
+def spread(xs: list[float]) -> dict[str, float]:
+    """p10, median and p90 of repeated measurements, and the relative width ``(p90 - p10) / median``."""
+    p10, p50, p90 = (percentile(xs, q) for q in (10, 50, 90))
+    return {"p10": p10, "p50": p50, "p90": p90, "relative": (p90 - p10) / p50 if p50 > 0 else 0.0}
+
+
 def profile_runner(runner, contexts: list[int], decode_steps: int, vocab_size: int, seed: int = 0,
-                   warmup: bool = True, tegrastats_interval_ms: int = 100) -> dict[str, Any]:
-    """-> ``{"backend", "contexts": [{context, prefill_s, ttft_s, decode_ms_p50, decode_ms_p90, decode_ms_mean,
-    tokens_per_s, kv_bytes, peak_rss_bytes, rss_start_bytes, rss_delta_bytes, [gpu_*], [tegrastats]}, ...]}``."""
+                   warmup: bool = True, tegrastats_interval_ms: int = 100, repeats: int = DEFAULT_REPEATS,
+                   on_step=None) -> dict[str, Any]:
+    """-> ``{"backend", "contexts": [{context, repeats, prefill_s, ttft_s, decode_ms_p50, decode_ms_p90,
+    decode_ms_mean, tokens_per_s, spread, kv_bytes, [resident], peak_rss_bytes, rss_start_bytes, rss_delta_bytes,
+    [gpu_*], [tegrastats]}, ...]}``.
+
+    Each context runs ``repeats`` times (a fresh sequence each time): ``ttft_s`` is the median over the runs,
+    the decode percentiles pool every run's steps, and ``spread`` holds p10/p50/p90 over the runs of
+    ``ttft_s``, ``decode_ms_p50`` and ``decode_ms_p90`` (how much the numbers moved between runs).
+    ``resident``: what the runner keeps resident for one sequence (``runner.resident_bytes()``) when it says.
+    ``on_step(message)``: called before each timed run ("context 2048, run 2/3")."""
+    if repeats < 1:
+        raise ValueError(f"repeats {repeats} must be >= 1")
     shape: CacheShape | None = getattr(runner, "cache_shape", None)
     if warmup:
         runner.start(16 + 2)
@@ -52,23 +73,31 @@ def profile_runner(runner, contexts: list[int], decode_steps: int, vocab_size: i
         sampler = TegraStatsSampler(tegrastats_interval_ms) if jetson else None
         if sampler is not None:
             sampler.__enter__()
+        ttfts: list[float] = []
+        runs: list[list[float]] = []
         try:
             with PeakRSS() as mem:
-                runner.start(C + decode_steps)
-                t0 = time.perf_counter()
-                tok = runner.prefill(ids)
-                ttft = time.perf_counter() - t0
-                steps = []
-                for _ in range(decode_steps):
-                    t1 = time.perf_counter()
-                    tok = runner.decode(tok)
-                    steps.append(time.perf_counter() - t1)
+                for r in range(repeats):
+                    if on_step is not None:
+                        on_step(f"context {C}, run {r + 1}/{repeats}")
+                    runner.start(C + decode_steps)
+                    t0 = time.perf_counter()
+                    tok = runner.prefill(ids)
+                    ttfts.append(time.perf_counter() - t0)
+                    steps = []
+                    for _ in range(decode_steps):
+                        t1 = time.perf_counter()
+                        tok = runner.decode(tok)
+                        steps.append((time.perf_counter() - t1) * 1e3)
+                    runs.append(steps)
         finally:
             if sampler is not None:
                 sampler.__exit__(None, None, None)
-        ms = [s * 1e3 for s in steps]
+        ms = [x for steps in runs for x in steps]
+        ttft = percentile(ttfts, 50)
         row: dict[str, Any] = {
             "context": int(C),
+            "repeats": repeats,
             "prefill_s": ttft,
             "ttft_s": ttft,
             "prefill_tokens_per_s": C / ttft if ttft > 0 else None,
@@ -79,12 +108,16 @@ def profile_runner(runner, contexts: list[int], decode_steps: int, vocab_size: i
             # from the median step: one scheduler hiccup on a shared machine does not move it
             "tokens_per_s": 1e3 / percentile(ms, 50) if ms else None,
             "tokens_per_s_mean": 1e3 / float(np.mean(ms)) if ms else None,
+            "spread": {"ttft_s": spread(ttfts), "decode_ms_p50": spread([percentile(s, 50) for s in runs]),
+                       "decode_ms_p90": spread([percentile(s, 90) for s in runs])},
             "peak_rss_bytes": mem.peak,
             "rss_start_bytes": mem.start,
             "rss_delta_bytes": mem.delta,
         }
         if shape is not None:
             row["kv_bytes"] = shape.bytes_at(C + decode_steps)
+        if hasattr(runner, "resident_bytes"):
+            row["resident"] = {k: int(v) for k, v in dict(runner.resident_bytes()).items()}
         if gpu:
             dev = nvml_device_memory()
             if dev is not None:
@@ -113,13 +146,73 @@ def profile_runner(runner, contexts: list[int], decode_steps: int, vocab_size: i
     }
 
 
+class MachineLoad:
+    """How busy the machine was while a block ran: CPU cores in use by everything, by this process, and by
+    the other processes (their difference), plus the load average before and after.
+
+    ``with MachineLoad() as m: work()`` -> ``m.to_dict()``."""
+
+    def __enter__(self) -> "MachineLoad":
+        import os
+
+        import psutil
+
+        self._proc = psutil.Process(os.getpid())
+        psutil.cpu_percent(interval=None)  # starts the system-wide measurement
+        self._own0 = self._cpu_seconds()
+        self._t0 = time.perf_counter()
+        self.load_start = _loadavg()
+        return self
+
+    def _cpu_seconds(self) -> float:
+        t = self._proc.cpu_times()
+        return t.user + t.system + getattr(t, "children_user", 0.0) + getattr(t, "children_system", 0.0)
+
+    def __exit__(self, *exc) -> None:
+        import os
+
+        import psutil
+
+        wall = max(time.perf_counter() - self._t0, 1e-9)
+        n = os.cpu_count() or 1
+        self.busy_cores = psutil.cpu_percent(interval=None) / 100.0 * n
+        self.own_cores = (self._cpu_seconds() - self._own0) / wall
+        self.other_cores = max(0.0, self.busy_cores - self.own_cores)
+        self.load_end = _loadavg()
+        self.cpu_count = n
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cpu_count": self.cpu_count, "busy_cores": round(self.busy_cores, 2),
+                "own_cores": round(self.own_cores, 2), "other_cores": round(self.other_cores, 2),
+                "load_avg_start": self.load_start, "load_avg_end": self.load_end}
+
+
+def _loadavg() -> list[float] | None:
+    import os
+
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()[:120]
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def environment() -> dict[str, Any]:
     """Where the numbers were taken."""
     import os
 
     env: dict[str, Any] = {"platform": platform.platform(), "machine": platform.machine(),
-                           "python": platform.python_version(), "cpu_count": os.cpu_count(),
-                           "jetson": is_jetson()}
+                           "cpu_model": _cpu_model(), "python": platform.python_version(),
+                           "cpu_count": os.cpu_count(), "jetson": is_jetson()}
     try:
         import torch
 
@@ -140,4 +233,4 @@ def environment() -> dict[str, Any]:
     return env
 
 
-__all__ = ["profile_runner", "prompt_ids", "percentile", "environment"]
+__all__ = ["profile_runner", "prompt_ids", "percentile", "spread", "environment", "MachineLoad", "DEFAULT_REPEATS"]

@@ -4,7 +4,9 @@
 Reads the settings of DIR (convert.json, else the export's manifest), builds one runner for the
 converted model and one for the baseline (full cache: ``DIR/baseline`` on onnxruntime/TensorRT, the
 original model without a press on PyTorch), profiles both at each context and writes
-``DIR/profile.json``. Contexts past the model's position range are skipped and listed.
+``DIR/profile-<backend>.json``: profiles of different backends sit side by side. A bare export's manifest
+allows no new files inside it, so its profile goes beside it (``EXPORT.profile-<backend>.json``).
+Contexts past the model's position range are skipped and listed.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from kvexport.atomic import atomic_write_bytes
 from kvexport.convert import layout
 from kvexport.errors import BadArtifact, BadUsage
 from kvexport.profile.kv_bytes import CacheShape, cache_table, full_cache_of
-from kvexport.profile.profiler import environment, profile_runner
+from kvexport.profile.profiler import DEFAULT_REPEATS, MachineLoad, environment, profile_runner
 
 BACKENDS = ("onnxruntime", "tensorrt", "pytorch")
 PROFILE_VERSION = 1
@@ -147,32 +149,36 @@ def _onnx_runners(d: Path, shape: CacheShape, with_baseline: bool, backend: str)
     return runners
 
 
-def profile_target(d: str | Path) -> Path | None:
-    """Where ``kvexport profile d`` writes profile.json by default: DIR/profile.json for a convert directory or
-    an export whose manifest allows it; None for an export that would see it as a foreign file."""
+def profile_target(d: str | Path, backend: str = "onnxruntime") -> Path:
+    """Where ``kvexport profile d --backend B`` writes by default: ``DIR/profile-B.json`` for a conversion (or an
+    export whose manifest allows that file), else beside the export: ``EXPORT.profile-B.json``."""
     d = Path(d)
+    name = layout.profile_name(backend)
     if layout.read_convert_json(d) is not None:
-        return d / layout.PROFILE_JSON
+        return d / name
     man = layout.read_manifest(d)
-    if man is not None and layout.PROFILE_JSON not in (man.get("reports") or []):
-        return None
-    return d / layout.PROFILE_JSON
+    if man is not None and name not in (man.get("reports") or []):
+        return d.parent / f"{d.name}.{name}"
+    return d / name
 
 
 def profile_dir(d: str | Path, backend: str = "onnxruntime", contexts: list[int] | None = None,
-                decode_steps: int = 32, baseline: bool = True, seed: int = 0, write: bool | str | Path = True
-                ) -> dict[str, Any]:
-    """Profile DIR (see the module docstring); -> the profile dictionary. ``write``: True = DIR/profile.json,
-    a path = there, False = nowhere."""
+                decode_steps: int = 32, baseline: bool = True, seed: int = 0, write: bool | str | Path = True,
+                repeats: int = DEFAULT_REPEATS, progress=None) -> dict[str, Any]:
+    """Profile DIR (see the module docstring); -> the profile dictionary. ``write``: True = the backend's default
+    file (:func:`profile_target`), a path = there, False = nowhere. ``repeats``: timed runs per context.
+    ``progress(message)``: called at each variant and run ("baseline: context 2048, run 2/3")."""
     d = Path(d)
     if backend not in BACKENDS:
         raise BadUsage(f"--backend {backend!r} is not one of: {', '.join(BACKENDS)}")
     if decode_steps < 1:
         raise BadUsage(f"--decode-steps {decode_steps} must be >= 1")
+    if repeats < 1:
+        raise BadUsage(f"--repeats {repeats} must be >= 1")
     if not d.is_dir():
         raise BadArtifact(f"{d} is not a directory made by kvexport convert or kvexport export")
     if layout.is_conversion(d):
-        layout.verify_conversion(d, (layout.PROFILE_JSON, *layout.REPORT_OUTPUTS))
+        layout.verify_conversion(d, (layout.profile_name(backend), *layout.REPORT_OUTPUTS))
     settings = dir_settings(d)
     contexts = sorted(set(contexts or settings.get("contexts") or [512, 2048, 8192]))
     mla_dir = d / layout.MLA_DIR
@@ -200,21 +206,26 @@ def profile_dir(d: str | Path, backend: str = "onnxruntime", contexts: list[int]
         runners = _onnx_runners(d, shape, baseline, backend)
     t0 = time.perf_counter()
     variants = {}
-    for name, runner in runners.items():
-        variants[name] = profile_runner(runner, keep, decode_steps, spec.vocab_size, seed)
+    with MachineLoad() as load:
+        for name, runner in runners.items():
+            step = None if progress is None else (lambda m, name=name: progress(f"{name}: {m}"))
+            variants[name] = profile_runner(runner, keep, decode_steps, spec.vocab_size, seed, repeats=repeats,
+                                            on_step=step)
     result = {
         "version": PROFILE_VERSION,
         "backend": backend,
         "decode_steps": decode_steps,
+        "repeats": repeats,
         "contexts": keep,
         "skipped_contexts": skipped,
         "cache": cache_table(shape, keep),
         "variants": variants,
         "environment": environment(),
+        "machine_load": load.to_dict(),
         "seconds": time.perf_counter() - t0,
     }
     if write:
-        target = d / layout.PROFILE_JSON if write is True else Path(write)
+        target = profile_target(d, backend) if write is True else Path(write)
         atomic_write_bytes(target, json.dumps(result, indent=2).encode("utf-8"))
         if target.parent.resolve() == d.resolve() and layout.has_outputs_manifest(d):
             layout.record_outputs(d)

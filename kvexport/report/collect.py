@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Gather what a converted directory holds into one report dictionary (``report.json``).
 
-Reads, all optional except convert.json or profile.json: ``convert.json`` (settings, model, stages),
-``parity.json`` (per backend pair), ``profile.json`` (latency, memory, cache accounting) and accuracy
-studies (``accuracy*.json``, ``studies/*.json``). Parity files come in a few shapes; they are
-normalised to a list of pairs ``{pair, passed, max_abs_logit_error, ...}`` and one verdict.
+Reads, all optional but one of the first three: ``convert.json`` (settings, model, stages),
+``parity.json`` (per backend pair, and what compression cost against the original model),
+``profile-<backend>.json`` (latency, memory, cache accounting; one per backend, a legacy ``profile.json``
+is onnxruntime's) and accuracy studies (``accuracy*.json``, ``studies/*.json``); and the size of every
+artifact on disk with what makes it that size. Parity files come in a few shapes; they are normalised
+to a list of pairs ``{pair, passed, max_abs_logit_error, ...}`` and one verdict.
 """
 
 from __future__ import annotations
@@ -65,10 +67,11 @@ def collect(out_dir: str | Path) -> dict[str, Any]:
 
     layout.verify_conversion(d, layout.REPORT_OUTPUTS)  # a damaged conversion is refused (exit 4, naming the file), never reported on
     convert = read_json(d / "convert.json")
-    profile = read_json(d / "profile.json")
+    profiles = {b: read_json(p) for b, p in layout.profile_files(d).items()}
+    profile = next(iter(profiles.values()), None)  # onnxruntime's when there is one (plots, cache accounting)
     parity = normalize_parity(read_json(d / "parity.json"))
     if convert is None and profile is None and parity is None:
-        raise BadArtifact(f"{d} has none of convert.json, profile.json, parity.json: run `kvexport convert` "
+        raise BadArtifact(f"{d} has none of convert.json, profile-*.json, parity.json: run `kvexport convert` "
                           "or `kvexport profile` first")
     studies = {}
     for f in sorted(list(d.glob("accuracy*.json")) + list((d / "studies").glob("*.json"))):
@@ -81,8 +84,57 @@ def collect(out_dir: str | Path) -> dict[str, Any]:
         "convert": convert,
         "parity": parity,
         "profile": profile,
+        "profiles": profiles,
         "studies": studies,
+        "artifacts": artifacts(d, convert),
     }
+
+
+#: what each part of a conversion is for (the report's disk table)
+WHY = {
+    "onnx": "the exported graphs (prefill, decode, compact) and the tokenizer: what a deployment needs",
+    "baseline": "the original model exported with a growing cache, only to compare against (drop it with "
+                "--no-baseline)",
+    "mla": "the rewritten MLA model in PyTorch form: the reference of `kvexport validate` and of the PyTorch "
+           "profile; not needed to deploy",
+    "engine": "TensorRT engines, one per graph, for this GPU and TensorRT version only",
+    "plots": "the report's figures",
+}
+
+
+def artifacts(d: Path, convert: Any) -> list[dict[str, Any]]:
+    """Size on disk of each sub-directory and the top-level files, with why (graph weights stored once per
+    graph are named as such)."""
+    out = []
+    params = ((convert or {}).get("model") or {}).get("parameters") if isinstance(convert, dict) else None
+    fp16 = bool(((convert or {}).get("settings") or {}).get("fp16")) if isinstance(convert, dict) else False
+    weight_bytes = params * (2 if fp16 else 4) if params else None
+    for sub in sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        files = [f for f in sub.rglob("*") if f.is_file()]
+        size = sum(f.stat().st_size for f in files)
+        why = WHY.get(sub.name, "")
+        data = sorted((f for f in files if f.name.endswith(".data") or f.suffix in (".safetensors", ".engine")),
+                      key=lambda f: (-f.stat().st_size, f.name))
+        big = [f for f in data if f.stat().st_size > 0.05 * max(size, 1)]
+        if big:
+            what = ", ".join(f"{f.relative_to(sub).as_posix()} {_mib(f.stat().st_size)}" for f in big)
+            copies = [f for f in big if weight_bytes and abs(f.stat().st_size - weight_bytes) < 0.15 * weight_bytes]
+            if len(copies) > 1:
+                what += f" (each a full copy of the {_mib(weight_bytes)} of weights: one per graph)"
+            elif len(copies) == 1:
+                what += f" (the {_mib(weight_bytes)} of weights)"
+            why = f"{why}; largest: {what}" if why else f"largest: {what}"
+        out.append({"path": sub.name + "/", "bytes": size, "why": why or "-"})
+    top = [p for p in d.iterdir() if p.is_file()]
+    if top:
+        out.append({"path": "top-level files", "bytes": sum(p.stat().st_size for p in top),
+                    "why": "settings, parity, profiles, this report (" + ", ".join(sorted(p.name for p in top)[:8])
+                           + (", ..." if len(top) > 8 else "") + ")"})
+    return out
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def _title(convert: Any, d: Path) -> str:

@@ -53,7 +53,8 @@ def _axes(title: str, ylabel: str, logy: bool = False):
 
 
 def decode_latency_plot(profile: dict[str, Any]) -> bytes | None:
-    """Per-token decode latency: p50 (solid) and p90 (dotted), per variant."""
+    """Per-token decode latency: p50 (solid; shaded: p10-p90 of the p50 over repeated runs) and p90 (dotted),
+    per variant."""
     vs = _variants(profile)
     if not vs:
         return None
@@ -61,6 +62,9 @@ def decode_latency_plot(profile: dict[str, Any]) -> bytes | None:
     for name, rows in vs.items():
         x = [r["context"] for r in rows]
         c = COLORS.get(name)
+        sp = [(r.get("spread") or {}).get("decode_ms_p50") for r in rows]
+        if all(sp):
+            ax.fill_between(x, [v["p10"] for v in sp], [v["p90"] for v in sp], color=c, alpha=0.18, linewidth=0)
         ax.plot(x, [r["decode_ms_p50"] for r in rows], "o-", color=c, label=f"{LABELS.get(name, name)}, p50")
         ax.plot(x, [r["decode_ms_p90"] for r in rows], ":", color=c, alpha=0.6, linewidth=1, label=f"{name}, p90")
     ax.set_ylim(bottom=0)
@@ -145,7 +149,8 @@ def throughput_plot(profile: dict[str, Any]) -> bytes | None:
 
 #: file stem -> (caption, function)
 PLOTS = {
-    "decode_latency": ("Decode latency per token against context length, converted vs baseline", decode_latency_plot),
+    "decode_latency": ("Decode latency per token against context length, converted vs baseline (shaded: p10–p90 "
+                       "over repeated runs)", decode_latency_plot),
     "throughput": ("Decode tokens per second against context length", throughput_plot),
     "memory": ("KV-cache bytes per sequence (analytic) and measured process peak memory against context length",
                memory_plot),
