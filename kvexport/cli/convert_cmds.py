@@ -40,6 +40,16 @@ def convert_cmd(
     decode_steps: Optional[int] = typer.Option(None, "--decode-steps", help="Timed decode steps per context."),
     validate_steps: Optional[int] = typer.Option(None, "--validate-steps",
                                                  help="Decode steps per prompt in the parity check (default 64)."),
+    repeats: Optional[int] = typer.Option(None, "--repeats", help="Timed profile runs per context (default 3; "
+                                          "the report shows their spread)."),
+    eval_data: Optional[str] = typer.Option(None, "--eval-data", help="Held-out text for the fidelity check "
+                                            "(converted vs original model): a UTF-8 file or bundled:NAME."),
+    min_agreement: Optional[float] = typer.Option(None, "--min-agreement", help="Fail the validate stage when "
+                                                  "next-token agreement with the original model is below this."),
+    max_ppl_increase: Optional[float] = typer.Option(None, "--max-ppl-increase", help="Fail the validate stage "
+                                                     "when perplexity rises by more than this (0.05 = +5 %)."),
+    fidelity: Optional[bool] = typer.Option(None, "--fidelity/--no-fidelity", help="Measure what compression "
+                                            "costs against the original model while validating (default on)."),
     allow_partial: bool = typer.Option(False, "--allow-partial",
                                                  help="--target tensorrt without TensorRT: keep the ONNX result."),
     config: Optional[Path] = typer.Option(None, "--config", help="YAML/JSON file of settings (e.g. a saved "
@@ -66,14 +76,30 @@ def convert_cmd(
                  distill_data=str(distill_data) if distill_data is not None else None,
                  distill_tokens=distill_tokens, target=target, fp16=fp16, validate=validate, profile=profile,
                  baseline=baseline, contexts=contexts, decode_steps=decode_steps, validate_steps=validate_steps,
-                 allow_partial=True if allow_partial else None)
+                 repeats=repeats, eval_data=eval_data, min_agreement=min_agreement,
+                 max_ppl_increase=max_ppl_increase, fidelity=fidelity, allow_partial=True if allow_partial else None)
     cfg = base.merged(flags)
     console = Console(stderr=True)
     cj = run_convert(cfg, out, force=force, console=console)
+    console.print(convert_summary(out, cj), highlight=False, soft_wrap=True)
+
+
+def convert_summary(out: Path, cj: dict) -> str:
+    """The last line of ``kvexport convert``: where, how long, what was written, what compression cost."""
+    import json
+
+    from kvexport.convert import layout
+    from kvexport.report.sections import fidelity_summary
+
     total = sum(s["seconds"] for s in cj["stages"])
-    console.print(f"[bold]wrote {out}[/] in {total:.1f}s: convert.json"
-                  + (", parity.json" if (out / "parity.json").exists() else "")
-                  + (", profile.json" if (out / "profile.json").exists() else "") + ", report.html", highlight=False)
+    files = ["convert.json"] + [n for n in (layout.PARITY_JSON,) if (out / n).exists()]
+    files += [p.name for p in layout.profile_files(out).values()] + ["report.html"]
+    line = f"[bold]wrote {out}[/] in {total:.1f}s: {', '.join(files)}"
+    parity = out / layout.PARITY_JSON
+    fid = json.loads(parity.read_text()).get("fidelity") if parity.is_file() else None
+    if isinstance(fid, dict):
+        line += f"\nwhat compression cost: {fidelity_summary(fid)}"
+    return line
 
 
 @app.command("profile")

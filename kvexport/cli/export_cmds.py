@@ -76,8 +76,10 @@ def validate_cmd(
     exit 6 on failure."""
     from kvexport.cli.progress import StepProgress, stdout_console
     from kvexport.convert import layout
+    from kvexport.convert.config import fidelity_kwargs
     from kvexport.errors import ParityFailure
     from kvexport.export.validation import validate
+    from kvexport.report.sections import fidelity_gate_failure
 
     conversion = layout.is_conversion(directory)
     export = directory / layout.ONNX_DIR if conversion else directory
@@ -107,62 +109,19 @@ def validate_cmd(
     failed = [n for n, p in rep["pairs"].items() if not p["passed"]]
     if failed:
         raise ParityFailure(f"{', '.join(failed)} outside tolerance; details in {target}")
-    gate = gate_failure(rep.get("fidelity"))
+    gate = fidelity_gate_failure(rep.get("fidelity"))
     if gate:
         raise ParityFailure(f"{gate}; details in {target}")
 
 
-def fidelity_kwargs(eval_data: str | None, min_agreement: float | None, max_ppl_increase: float | None,
-                    fidelity: bool = True) -> dict:
-    """The fidelity settings the user gave, checked, as keyword arguments of ``validate`` (nothing when none
-    was given, so a validator without them still takes the call)."""
-    from kvexport.errors import BadUsage
-
-    kw: dict = {}
-    if eval_data is not None:
-        if not str(eval_data).startswith("bundled:") and not Path(eval_data).is_file():
-            raise BadUsage(f"--eval-data {eval_data} does not exist (give a UTF-8 text file or bundled:NAME)")
-        kw["eval_data"] = str(eval_data)
-    if min_agreement is not None:
-        if not 0.0 <= min_agreement <= 1.0:
-            raise BadUsage(f"--min-agreement {min_agreement} must be in [0, 1] (e.g. 0.9)")
-        kw["min_agreement"] = float(min_agreement)
-    if max_ppl_increase is not None:
-        if max_ppl_increase < 0:
-            raise BadUsage(f"--max-ppl-increase {max_ppl_increase} must be >= 0 (0.05 = +5 %)")
-        kw["max_ppl_increase"] = float(max_ppl_increase)
-    if not fidelity:
-        if kw:
-            raise BadUsage("--no-fidelity drops the fidelity check; --eval-data/--min-agreement/--max-ppl-increase "
-                           "need it")
-        kw["fidelity"] = False
-    return kw
-
-
 def fidelity_lines(fid: dict | None) -> list[str]:
     """parity.json's ``fidelity`` object in plain words (nothing for an old parity.json)."""
-    from kvexport.report.render import fidelity_summary
+    from kvexport.report.sections import fidelity_summary
 
     if not isinstance(fid, dict):
         return []
     return [f"what compression cost ({fid.get('eval_data', '?')}, {fid.get('scored_tokens', '?')} tokens): "
             + fidelity_summary(fid)]
-
-
-def gate_failure(fid: dict | None) -> str | None:
-    """One line naming the fidelity gate that failed, or None."""
-    if not isinstance(fid, dict):
-        return None
-    g = fid.get("gates") or {}
-    if g.get("passed") is not False:
-        return None
-    why = []
-    if g.get("min_agreement") is not None and fid.get("next_token_agreement", 1.0) < g["min_agreement"]:
-        why.append(f"next-token agreement {fid['next_token_agreement']:.3f} < --min-agreement {g['min_agreement']:g}")
-    if g.get("max_ppl_increase") is not None and fid.get("ppl_increase", 0.0) > g["max_ppl_increase"]:
-        why.append(f"perplexity +{100 * fid['ppl_increase']:.1f} % > --max-ppl-increase "
-                   f"{100 * g['max_ppl_increase']:g} %")
-    return "fidelity gate failed: " + ("; ".join(why) or "see the fidelity block")
 
 
 def pairs_table(rep: dict, title: str):

@@ -35,6 +35,8 @@ DEFAULT_CHUNK = 64
 #: default profile contexts; contexts past the model's position range are dropped at run time
 DEFAULT_CONTEXTS = (512, 2048, 8192)
 DEFAULT_DECODE_STEPS = 32
+#: timed runs per profile context (the report shows their p10-p90 spread)
+DEFAULT_REPEATS = 3
 #: per-token cache compression the default MLA rank aims at
 DEFAULT_MLA_TARGET_RATIO = 5.0
 
@@ -69,6 +71,14 @@ class ConvertConfig:
     decode_steps: int = DEFAULT_DECODE_STEPS
     #: decode steps per prompt in the parity check (kvexport validate's default is 64)
     validate_steps: int = 64
+    #: timed runs per profile context
+    repeats: int = DEFAULT_REPEATS
+    #: the fidelity check of validate (converted vs the original model): on/off, held-out text (a UTF-8 file
+    #: or bundled:NAME; None = the validator's default) and the gates that fail the validate stage
+    fidelity: bool = True
+    eval_data: str | None = None
+    min_agreement: float | None = None
+    max_ppl_increase: float | None = None
     seed: int = 0
     #: filled by resolve(): True when the showcase defaults were applied
     showcase_defaults: bool = False
@@ -141,20 +151,29 @@ class ConvertConfig:
             setattr(self, name, iv)
 
         for name in ("mla_rank", "rope_dim", "budget", "window", "chunk", "max_positions", "distill_tokens",
-                     "decode_steps",
-                     "validate_steps", "seed"):
+                     "decode_steps", "validate_steps", "repeats", "seed"):
             as_int(name)
+        for name in ("min_agreement", "max_ppl_increase"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, bool):
+                raise BadUsage(f"{source}: {name} must be a number, got {v!r}")
+            try:
+                setattr(self, name, float(v))
+            except (TypeError, ValueError):
+                raise BadUsage(f"{source}: {name} must be a number, got {v!r}") from None
         if self.mla_energy is not None:
             try:
                 self.mla_energy = float(self.mla_energy)
             except (TypeError, ValueError):
                 raise BadUsage(f"{source}: mla_energy must be a number in (0, 1], got {self.mla_energy!r}") from None
-        for name in ("fp16", "validate", "profile", "baseline", "allow_partial", "showcase_defaults"):
+        for name in ("fp16", "validate", "profile", "baseline", "allow_partial", "showcase_defaults", "fidelity"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise BadUsage(f"{source}: {name} must be true or false, got {v!r}")
         self.contexts = parse_contexts(self.contexts, source)
-        for name in ("model", "press", "distill_teacher", "distill_data", "target"):
+        for name in ("model", "press", "distill_teacher", "distill_data", "target", "eval_data"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
                 setattr(self, name, str(v))
@@ -225,6 +244,12 @@ class ConvertConfig:
             raise BadUsage(f"--decode-steps {self.decode_steps} must be >= 1")
         if self.validate_steps < 1:
             raise BadUsage(f"--validate-steps {self.validate_steps} must be >= 1")
+        if self.repeats < 1:
+            raise BadUsage(f"--repeats {self.repeats} must be >= 1")
+        kw = fidelity_kwargs(self.eval_data, self.min_agreement, self.max_ppl_increase, self.fidelity)
+        if set(kw) - {"fidelity"} and not self.validate:
+            raise BadUsage("--eval-data/--min-agreement/--max-ppl-increase are checked by the validate stage; "
+                           "drop --no-validate")
         if self.model is not None and not Path(self.model).exists():
             raise BadUsage(f"model directory {self.model} does not exist")
 
@@ -247,12 +272,40 @@ class ConvertConfig:
             self.model = str(Path(self.model).resolve())
         if self.distill_data is not None:
             self.distill_data = str(Path(self.distill_data).resolve())
+        if self.eval_data is not None and not self.eval_data.startswith("bundled:"):
+            self.eval_data = str(Path(self.eval_data).resolve())
         if self.distill_teacher is not None and Path(self.distill_teacher).exists():
             self.distill_teacher = str(Path(self.distill_teacher).resolve())
         return self
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def fidelity_kwargs(eval_data: str | None, min_agreement: float | None, max_ppl_increase: float | None,
+                    fidelity: bool = True) -> dict[str, Any]:
+    """The fidelity settings that were given, checked, as keyword arguments of
+    :func:`kvexport.export.validation.validate` (``kvexport validate`` flags and the convert keys alike).
+    Only what was given is passed: nothing at all with the defaults."""
+    kw: dict[str, Any] = {}
+    if eval_data is not None:
+        if not str(eval_data).startswith("bundled:") and not Path(eval_data).is_file():
+            raise BadUsage(f"--eval-data {eval_data} does not exist (give a UTF-8 text file or bundled:NAME)")
+        kw["eval_data"] = str(eval_data)
+    if min_agreement is not None:
+        if not 0.0 <= float(min_agreement) <= 1.0:
+            raise BadUsage(f"--min-agreement {min_agreement} must be in [0, 1] (e.g. 0.9)")
+        kw["min_agreement"] = float(min_agreement)
+    if max_ppl_increase is not None:
+        if float(max_ppl_increase) < 0:
+            raise BadUsage(f"--max-ppl-increase {max_ppl_increase} must be >= 0 (0.05 = +5 %)")
+        kw["max_ppl_increase"] = float(max_ppl_increase)
+    if not fidelity:
+        if kw:
+            raise BadUsage("--no-fidelity drops the fidelity check; --eval-data/--min-agreement/--max-ppl-increase "
+                           "need it")
+        kw["fidelity"] = False
+    return kw
 
 
 def parse_contexts(value: Any, source: str = "options") -> list[int]:
@@ -292,5 +345,5 @@ def default_rope_dim(head_dim: int) -> int:
     return max(4, min(32, (head_dim // 4) // 2 * 2))
 
 
-__all__ = ["ConvertConfig", "parse_contexts", "default_mla_rank", "default_rope_dim", "TARGETS", "BACKENDS",
+__all__ = ["ConvertConfig", "parse_contexts", "fidelity_kwargs", "default_mla_rank", "default_rope_dim", "TARGETS", "BACKENDS",
            "DEFAULT_PRESS", "DEFAULT_BUDGET", "DEFAULT_WINDOW", "DEFAULT_CONTEXTS"]

@@ -1,9 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A small stage runner: named steps run in order, each shown with a rich status line and its wall time.
+"""A small stage runner: named steps run in order, each shown with a live line (spinner, elapsed time, the
+current sub-step) on a terminal and its wall time when done.
 
-If a stage fails, the runner marks it, prints its time and raises :class:`StageFailed` naming it
-(``stage 'export' failed: ...``) with the original error's exit code. The caller runs the pipeline
-inside ``atomic_output`` so that a failure leaves no partial output directory.
+A stage reports sub-steps through :meth:`Pipeline.step` (``"prompt 2/4"``); it can decide at run time that
+it does not apply by raising :class:`StageSkipped` (recorded as skipped, with the reason). If a stage fails,
+the runner marks it, prints its time and raises :class:`StageFailed` naming it (``stage 'export' failed:
+...``) with the original error's exit code. The caller runs the pipeline inside ``atomic_output`` so that a
+failure leaves no partial output directory.
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ class StageFailed(KVExportError):
         super().__init__(f"stage '{stage}' failed: {msg}")
 
 
+class StageSkipped(Exception):
+    """Raised by a stage that finds it cannot apply (e.g. no TensorRT under --allow-partial): the message is
+    the reason shown beside 'skipped'."""
+
+
 @dataclass
 class Stage:
     name: str
@@ -57,11 +65,24 @@ class Pipeline:
     stages: list[Stage]
     console: Any = None
     records: list[StageRecord] = field(default_factory=list)
+    _live: Any = field(default=None, init=False, repr=False)
+
+    @property
+    def live(self) -> bool:
+        """True when sub-steps are shown (the console is a terminal)."""
+        return bool(getattr(self.console, "is_terminal", False))
+
+    def step(self, message: str) -> None:
+        """Show ``message`` as the running stage's current sub-step (nothing when not on a terminal)."""
+        if self._live is not None:
+            self._live.step(message)
 
     def run(self) -> list[StageRecord]:
         from rich.console import Console
 
-        console = self.console or Console(stderr=True)
+        from kvexport.cli.progress import StepProgress
+
+        self.console = console = self.console or Console(stderr=True)
         self.records = [StageRecord(s.name) for s in self.stages]
         n = len(self.stages)
         for i, (stage, rec) in enumerate(zip(self.stages, self.records, strict=False)):
@@ -72,17 +93,23 @@ class Pipeline:
                 continue
             t0 = time.perf_counter()
             try:
-                with console.status(f"{label} ...", spinner="dots"):
+                with StepProgress(console, label) as self._live:
                     note = stage.fn()
+            except StageSkipped as e:
+                rec.status, rec.seconds, rec.note = "skipped", time.perf_counter() - t0, str(e)
+                console.print(f"[yellow]{label:<22} skipped  {rec.note}[/]", highlight=False, soft_wrap=True)
+                continue
             except BaseException as e:  # noqa: BLE001 - re-raised, named
                 rec.status, rec.seconds = "failed", time.perf_counter() - t0
                 console.print(f"[red]{label:<22} failed   {rec.seconds:7.1f}s[/]", highlight=False)
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
                 raise StageFailed(stage.name, e) from e
+            finally:
+                self._live = None
             rec.status, rec.seconds, rec.note = "done", time.perf_counter() - t0, note or ""
             console.print(f"[green]{label:<22} done     {rec.seconds:7.1f}s[/]  {rec.note}", highlight=False, soft_wrap=True)
         return self.records
 
 
-__all__ = ["Pipeline", "Stage", "StageRecord", "StageFailed"]
+__all__ = ["Pipeline", "Stage", "StageRecord", "StageFailed", "StageSkipped"]

@@ -19,7 +19,7 @@ from typing import Any
 
 from kvexport.convert import layout
 from kvexport.convert.config import ConvertConfig, default_mla_rank, default_rope_dim
-from kvexport.convert.pipeline import Pipeline, Stage, StageRecord
+from kvexport.convert.pipeline import Pipeline, Stage, StageRecord, StageSkipped
 from kvexport.errors import BadUsage, MissingBackend, ParityFailure
 
 #: tokens a distillation sees when --distill-tokens is not given
@@ -39,6 +39,8 @@ class ConvertState:
     mla_decoder: Any = None
     export_source: Any = None
     out: Path | None = None  # the final --out (work is renamed onto it at the end)
+    #: progress(message) shows a sub-step of the running stage (None when nobody would see it: not a terminal)
+    progress: Any = None
     parity: dict[str, Any] | None = None
     engine_missing: str | None = None
     notes: dict[str, Any] = field(default_factory=dict)
@@ -132,12 +134,10 @@ def mla_settings(cfg: ConvertConfig):
 
 # ----------------------------------------------------------------------------- stages
 def stage_load(st: ConvertState) -> str:
-    from transformers.utils import logging as hf_logging
-
+    from kvexport.cli import quiet_libraries
     from kvexport.models.loading import load_decoder, load_tokenizer
 
-    hf_logging.disable_progress_bar()
-
+    quiet_libraries()  # no `Loading weights` bar, no accelerate checkpoint warnings in the stage lines
     st.decoder, st.hf = load_decoder(st.model_path, "fp32")
     if load_tokenizer(st.model_path) is None:
         st.notes["tokenizer"] = "none"
@@ -208,7 +208,7 @@ def stage_engine(st: ConvertState) -> str:
     if problem is not None:
         # only reached with --allow-partial (checked up front otherwise)
         st.engine_missing = problem
-        return "skipped: " + problem
+        raise StageSkipped(problem)
     from kvexport.tensorrt.engine import build_engine, find_onnx_graphs, write_build_record
 
     out = st.work / layout.ENGINE_DIR
@@ -226,15 +226,25 @@ def stage_engine(st: ConvertState) -> str:
 
 
 def stage_validate(st: ConvertState) -> str:
-    from kvexport.convert.exporting import run_validate
+    """Parity of DIR/onnx against the PyTorch model it was made from (the MLA decoder in DIR/mla, or the source
+    model), + the TensorRT pairs when engines were built, + what compression cost against the original model
+    (the fidelity settings); DIR/parity.json. A failed tolerance or fidelity gate fails the stage."""
+    from kvexport.convert.config import fidelity_kwargs
+    from kvexport.export.validation import validate
+    from kvexport.report.collect import normalize_parity
+    from kvexport.report.sections import fidelity_gate_failure, fidelity_summary
 
-    parity = run_validate(st)
+    cfg = st.cfg
+    kw = fidelity_kwargs(cfg.eval_data, cfg.min_agreement, cfg.max_ppl_increase, cfg.fidelity)
+    if cfg.target == "tensorrt" and st.engine_missing is None and (st.work / layout.ENGINE_DIR / "engines.json").is_file():
+        kw.update(backend="tensorrt", engines=st.work / layout.ENGINE_DIR)  # + onnxruntime~tensorrt, pytorch~tensorrt
+    if st.progress is not None:
+        kw["progress"] = st.progress
+    parity = validate(st.work / layout.ONNX_DIR, steps=cfg.validate_steps, write=False, raise_on_failure=False, **kw)
     if isinstance(parity, dict) and "export" in parity and st.out is not None:
         parity["export"] = str(st.out.resolve() / layout.ONNX_DIR)  # not the temporary directory
     st.parity = parity
-    (st.work / layout.PARITY_JSON).write_text(json.dumps(parity, indent=2, default=str))
-    from kvexport.report.collect import normalize_parity
-
+    layout.write_parity(st.work, parity)
     norm = normalize_parity(parity)
     if not norm["passed"]:
         bad = [p for p in norm["pairs"] if not p.get("passed")]
@@ -243,7 +253,13 @@ def stage_validate(st: ConvertState) -> str:
                          f"index agreement {p.get('index_agreement', float('nan')):.3f}" for p in bad)
         raise ParityFailure(f"parity FAILED ({what or 'no backend pair compared'}); nothing was written, rerun "
                             "with --no-validate to keep the export anyway")
-    return f"PASSED ({', '.join(p['pair'] for p in norm['pairs'])})"
+    gate = fidelity_gate_failure(parity.get("fidelity"))
+    if gate:
+        raise ParityFailure(f"{gate}; nothing was written (loosen the gate or choose a milder compression)")
+    msg = f"PASSED ({', '.join(p['pair'] for p in norm['pairs'])})"
+    if isinstance(parity.get("fidelity"), dict):
+        msg += f"; vs the original: {fidelity_summary(parity['fidelity'])}"
+    return msg
 
 
 def stage_profile(st: ConvertState) -> str:
@@ -258,14 +274,13 @@ def stage_profile(st: ConvertState) -> str:
         except ImportError:  # engines built, but no step-wise TensorRT runtime to time them with
             st.notes["profile_backend"] = "onnxruntime (kvexport.tensorrt has no step runtime yet)"
     prof = profile_dir(st.work, backend=backend, contexts=st.cfg.contexts, decode_steps=st.cfg.decode_steps,
-                       baseline=st.cfg.baseline, seed=st.cfg.seed)
-    conv = prof["variants"]["converted"]["contexts"][-1]
-    msg = f"{backend}: decode p50 {conv['decode_ms_p50']:.2f} ms at {conv['context']} tokens"
-    base = prof["variants"].get("baseline")
-    if base:
-        b = base["contexts"][-1]
-        msg += f" (baseline {b['decode_ms_p50']:.2f} ms)"
-    return msg
+                       baseline=st.cfg.baseline, seed=st.cfg.seed, repeats=st.cfg.repeats, progress=st.progress)
+    base = {r["context"]: r for r in (prof["variants"].get("baseline") or {}).get("contexts") or []}
+    parts = []
+    for r in prof["variants"]["converted"]["contexts"]:
+        b = base.get(r["context"])
+        parts.append(f"{r['context']}: {r['decode_ms_p50']:.2f}" + (f" vs {b['decode_ms_p50']:.2f}" if b else ""))
+    return f"{backend}: decode p50 ms " + ("converted vs baseline " if base else "") + "; ".join(parts)
 
 
 def stage_report(st: ConvertState) -> str:
@@ -309,14 +324,15 @@ def run_convert(cfg: ConvertConfig, out: str | Path, force: bool = False, consol
     --allow-partial`` without TensorRT."""
     from kvexport.export.manifest import atomic_output, check_out_dir
 
-    cfg, model_path, spec = resolve_settings(cfg)
-    out = Path(out)
-    check_out_dir(out, force)
-    if cfg.target == "tensorrt" and not cfg.allow_partial:
+    cfg.check()
+    if cfg.target == "tensorrt" and not cfg.allow_partial:  # before anything slow: loading the model takes a while
         problem = tensorrt_problem()
         if problem is not None:
             raise MissingBackend(f"--target tensorrt: {problem}; nothing was written (add --allow-partial to keep "
                                  "the ONNX result, or use --target onnx)")
+    cfg, model_path, spec = resolve_settings(cfg)
+    out = Path(out)
+    check_out_dir(out, force)
     with atomic_output(out, force) as tmp:
         st = ConvertState(cfg=cfg, model_path=model_path, work=Path(tmp), spec=spec, out=out)
         stages = [
@@ -329,6 +345,7 @@ def run_convert(cfg: ConvertConfig, out: str | Path, force: bool = False, consol
             Stage("profile", lambda: stage_profile(st), cfg.profile, "--no-profile"),
         ]
         pipe = Pipeline(stages, console=console)
+        st.progress = pipe.step if pipe.live else None
 
         def report() -> str:
             # convert.json first (the report reads it), then the report; convert.json is rewritten at the end
@@ -341,7 +358,7 @@ def run_convert(cfg: ConvertConfig, out: str | Path, force: bool = False, consol
         records = pipe.run()
         cj = convert_json(st, records)
         _write_json(st.work / layout.CONVERT_JSON, cj)
-        layout.record_outputs(st.work)  # sha256 of convert.json, parity.json, profile.json, report.*
+        layout.record_outputs(st.work)  # sha256 of convert.json, parity.json, profile-*.json, report.*
     if st.engine_missing:
         raise MissingBackend(f"--target tensorrt: {st.engine_missing}; kept the ONNX result in {out} "
                              "(--allow-partial), no engine was built")

@@ -31,6 +31,12 @@ REFUSALS = [
     (["--press", "snapkv", "--window", "0"], "--window 0 must be >= 1"),
     (["--contexts", "512,abc"], "is not an integer"),
     (["--decode-steps", "0"], "--decode-steps 0 must be >= 1"),
+    (["--repeats", "0"], "--repeats 0 must be >= 1"),
+    (["--min-agreement", "1.5"], r"--min-agreement 1.5 must be in \[0, 1\]"),
+    (["--max-ppl-increase", "-0.1"], "--max-ppl-increase -0.1 must be >= 0"),
+    (["--eval-data", "no/such.txt"], "--eval-data no/such.txt does not exist"),
+    (["--no-fidelity", "--min-agreement", "0.9"], "--no-fidelity drops the fidelity check"),
+    (["--no-validate", "--max-ppl-increase", "0.1"], "checked by the validate stage; drop --no-validate"),
 ]
 
 
@@ -49,7 +55,7 @@ def test_refused_before_any_work(tmp_path, capsys, args, reason):
 def test_refusals_that_need_the_model(tmp_path, capsys, tiny_hf_dir):
     out = tmp_path / "out"
     cases = [
-        (["--mla-rank", "4096"], "larger than the rank of the stacked K/V weights"),
+        (["--mla-rank", "4096"], "MLA rank r_kv 4096 is larger than the rank of the stacked"),
         (["--press", "snapkv", "--budget", "32"], "must exceed the 64 tokens snapkv always keeps"),
         (["--press", "random", "--budget", "100"], "cannot be exported"),
         (["--press", "knorm", "--budget", "5000"], "exceeds the model's 4096 positions"),

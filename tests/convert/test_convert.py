@@ -12,7 +12,7 @@ from kvexport.cli import main
 from kvexport.convert.config import ConvertConfig
 
 ARGS = ["--press", "knorm", "--budget", "16", "--window", "4", "--chunk", "8", "--mla-rank", "16", "--rope-dim", "8",
-        "--contexts", "32,128", "--decode-steps", "4", "--validate-steps", "8"]
+        "--contexts", "32,128", "--decode-steps", "4", "--validate-steps", "8", "--repeats", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def converted(tiny_hf_dir, tmp_path_factory):
 def test_every_file(converted, tiny_hf_dir):
     out, rc = converted
     assert rc == 0
-    for f in ("convert.json", "parity.json", "profile.json", "report.html", "report.md", "report.json",
+    for f in ("convert.json", "parity.json", "profile-onnxruntime.json", "report.html", "report.md", "report.json",
               "plots/decode_latency.png", "plots/memory.png", "onnx/manifest.json", "onnx/prefill.onnx",
               "onnx/decode.onnx", "onnx/compact.onnx", "baseline/manifest.json", "baseline/model.onnx",
               "mla/kvexport_mla.json", "mla/model.safetensors"):
@@ -52,8 +52,8 @@ def test_parity_passed(converted):
 
 def test_profile_numbers(converted):
     out, _ = converted
-    prof = json.loads((out / "profile.json").read_text())
-    assert prof["backend"] == "onnxruntime" and prof["contexts"] == [32, 128]
+    prof = json.loads((out / "profile-onnxruntime.json").read_text())
+    assert prof["backend"] == "onnxruntime" and prof["contexts"] == [32, 128] and prof["repeats"] == 2
     # tiny model: 2 layers; MLA latent 16 + rope 8 elements per token and layer, fp32; 16 + 4 slots
     per_tok, base_per_tok = 2 * (16 + 8) * 4, 2 * 2 * 2 * 16 * 4
     assert prof["cache"]["bytes_per_token"] == per_tok and prof["cache"]["baseline_bytes_per_token"] == base_per_tok
@@ -62,6 +62,11 @@ def test_profile_numbers(converted):
     assert [r["kv_bytes"] for r in base["contexts"]] == [(c + 4) * base_per_tok for c in (32, 128)]
     for r in conv["contexts"] + base["contexts"]:
         assert r["decode_ms_p50"] <= r["decode_ms_p90"] and r["peak_rss_bytes"] > 0
+        assert r["repeats"] == 2 and set(r["spread"]) == {"ttft_s", "decode_ms_p50", "decode_ms_p90"}
+        sp = r["spread"]["ttft_s"]
+        assert sp["p10"] <= r["ttft_s"] == sp["p50"] <= sp["p90"]
+    load = prof["machine_load"]
+    assert load["cpu_count"] >= 1 and load["own_cores"] > 0 and load["other_cores"] >= 0
     onnx_bytes = sum(p.stat().st_size for p in (out / "onnx").glob("*.onnx*"))
     assert conv["files_bytes"] == onnx_bytes
 
@@ -93,8 +98,47 @@ def test_report_and_profile_commands(converted, capsys):
     assert main(["profile", str(out), "--backend", "cuda"]) == 2
     assert main(["profile", str(out), "--contexts", "16", "--decode-steps", "2", "--no-baseline",
                  "--no-report"]) == 0
-    prof = json.loads((out / "profile.json").read_text())
+    prof = json.loads((out / "profile-onnxruntime.json").read_text())
     assert prof["contexts"] == [16] and list(prof["variants"]) == ["converted"]
+
+
+def test_profiles_of_two_backends_side_by_side(converted, capsys):
+    """`kvexport profile DIR --backend pytorch` adds profile-pytorch.json; onnxruntime's stays as it was, the
+    manifest lists both and the report shows both."""
+    out, _ = converted
+    ort = (out / "profile-onnxruntime.json").read_bytes()
+    assert main(["profile", str(out), "--backend", "pytorch", "--contexts", "24", "--decode-steps", "2",
+                 "--repeats", "1"]) == 0
+    assert (out / "profile-onnxruntime.json").read_bytes() == ort
+    assert json.loads((out / "profile-pytorch.json").read_text())["backend"] == "pytorch"
+    files = json.loads((out / "manifest.json").read_text())["files"]
+    assert {"profile-onnxruntime.json", "profile-pytorch.json"} <= set(files)
+    md = (out / "report.md").read_text()
+    assert "onnxruntime, converted:" in md and "pytorch, converted:" in md
+    assert main(["report", str(out)]) == 0  # the directory still verifies
+
+
+def test_validate_a_conversion_keeps_it_verifiable(converted, capsys):
+    """`kvexport validate DIR` (the Jetson flow) rewrites DIR/parity.json and its hash; profile and report
+    still accept the directory (copying onnx/parity.json over it used to break the manifest)."""
+    from kvexport.convert import layout
+
+    out, _ = converted
+    before = json.loads((out / "parity.json").read_text())
+    assert main(["validate", str(out), "--steps", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "pytorch~onnxruntime" in text and "updated" in text
+    after = json.loads((out / "parity.json").read_text())
+    assert after["pairs"]["pytorch~onnxruntime"]["steps"] == 2 != before["pairs"]["pytorch~onnxruntime"]["steps"]
+    assert not (out / "onnx" / "parity.json").exists()  # the export stays as exported
+    layout.verify_conversion(out)
+    assert main(["report", str(out)]) == 0
+
+
+def test_generate_from_a_conversion(converted, capsys):
+    out, _ = converted
+    assert main(["generate", str(out), "-p", "def f(", "-n", "3"]) == 0
+    assert "'def f(' ->" in capsys.readouterr().out
 
 
 def test_failed_stage_leaves_nothing(tiny_hf_dir, tmp_path, capsys, monkeypatch):
@@ -138,7 +182,9 @@ def test_tensorrt_missing(tiny_hf_dir, tmp_path, capsys, monkeypatch):
     assert (out / "onnx" / "decode.onnx").read_bytes() == b"onnx"
     cj = json.loads((out / "convert.json").read_text())
     eng = next(s for s in cj["stages"] if s["name"] == "engine")
-    assert eng["status"] == "done" and eng["note"].startswith("skipped: TensorRT is not installed")
+    assert eng["status"] == "skipped" and eng["note"] == "TensorRT is not installed (test)"
+    eng_lines = [ln for ln in err.splitlines() if "] engine" in ln]
+    assert eng_lines and all("skipped  TensorRT is not installed (test)" in ln for ln in eng_lines), err
     assert cj["engine_missing"] == "TensorRT is not installed (test)"
     assert "Parity: NOT RUN" in (out / "report.html").read_text()
 
@@ -169,8 +215,11 @@ def test_profile_a_plain_export(converted):
 
     out, _ = converted
     prof = profile_dir(out / "onnx", contexts=[24], decode_steps=2, write=False)
-    # the export's manifest forbids new files there: the CLI asks for --out, and then writes there only
-    assert main(["profile", str(out / "onnx"), "--contexts", "24"]) == 2
+    # the export's manifest forbids new files there: the profile goes beside it, or to --out
+    assert main(["profile", str(out / "onnx"), "--contexts", "24", "--decode-steps", "2", "--repeats", "1"]) == 0
+    beside = out / "onnx.profile-onnxruntime.json"
+    assert json.loads(beside.read_text())["contexts"] == [24]
+    beside.unlink()
     target = out.parent / "plain-profile.json"
     assert main(["profile", str(out / "onnx"), "--contexts", "24", "--decode-steps", "2", "--out", str(target)]) == 0
     assert json.loads(target.read_text())["contexts"] == [24]
