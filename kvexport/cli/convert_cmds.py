@@ -89,7 +89,7 @@ def convert_summary(out: Path, cj: dict) -> str:
     import json
 
     from kvexport.convert import layout
-    from kvexport.report.sections import fidelity_summary
+    from kvexport.report.sections import fidelity_summary, profile_warnings
 
     total = sum(s["seconds"] for s in cj["stages"])
     files = ["convert.json"] + [n for n in (layout.PARITY_JSON,) if (out / n).exists()]
@@ -99,6 +99,9 @@ def convert_summary(out: Path, cj: dict) -> str:
     fid = json.loads(parity.read_text()).get("fidelity") if parity.is_file() else None
     if isinstance(fid, dict):
         line += f"\nwhat compression cost: {fidelity_summary(fid)}"
+    for p in layout.profile_files(out).values():
+        for w in profile_warnings(json.loads(p.read_text())):
+            line += f"\n[yellow]note:[/] {w}"
     return line
 
 
@@ -133,7 +136,7 @@ def profile_cmd(
     with StepProgress(console, f"profiling {directory} on {backend}") as p:
         prof = profile_dir(directory, backend=backend, contexts=ctx, decode_steps=decode_steps, baseline=baseline,
                            write=target, repeats=repeats, progress=p.callback)
-    t = Table(title=f"{directory} ({backend}, {repeats} runs per context)")
+    t = Table(title=f"{directory} ({backend}, {repeats} run{'s' if repeats != 1 else ''} per context)")
     t.add_column("variant", no_wrap=True)
     for h in ("context", "TTFT s", "decode p50 ms", "p10-p90 over runs", "tok/s", "KV KiB", "peak RSS MiB"):
         t.add_column(h, justify="right", no_wrap=True)
@@ -149,7 +152,7 @@ def profile_cmd(
     from kvexport.report.render import profile_warnings
 
     for w in profile_warnings(prof):
-        console.print(f"[yellow]note: {w}[/]", highlight=False)
+        console.print(f"[yellow]note: {w}[/]", highlight=False, soft_wrap=True)
     report = report and out is None and read_convert_json(directory) is not None
     if report:
         from kvexport.report import write_report

@@ -157,7 +157,7 @@ def stage_rewrite(st: ConvertState) -> str:
     st.notes["mla_ranks"] = ranks
     full = 2 * st.spec.num_kv_heads * st.spec.head_dim
     per = sum(r + st.cfg.rope_dim for r in ranks) / len(ranks)
-    return f"MLA r_kv {_ranks_text(ranks)}, d_rope {st.cfg.rope_dim}: {full / per:.2f}x smaller per token"
+    return f"MLA r_kv {_ranks_text(ranks)}, d_rope {st.cfg.rope_dim}: {full / per:.1f}× smaller per token"
 
 
 def stage_distill(st: ConvertState) -> str:
@@ -240,6 +240,8 @@ def stage_validate(st: ConvertState) -> str:
         kw.update(backend="tensorrt", engines=st.work / layout.ENGINE_DIR)  # + onnxruntime~tensorrt, pytorch~tensorrt
     if st.progress is not None:
         kw["progress"] = st.progress
+    if kw.get("fidelity", True):
+        kw["original"] = st.model_path  # an MLA export's source is DIR/mla: name the model it was rewritten from
     parity = validate(st.work / layout.ONNX_DIR, steps=cfg.validate_steps, write=False, raise_on_failure=False, **kw)
     if isinstance(parity, dict) and "export" in parity and st.out is not None:
         parity["export"] = str(st.out.resolve() / layout.ONNX_DIR)  # not the temporary directory

@@ -34,6 +34,8 @@ LOAD_WARN = 0.5
 # ----------------------------------------------------------------------------- plain-words summaries
 def fidelity_summary(fid: dict[str, Any]) -> str:
     """parity.json's ``fidelity`` in one line: agreement, perplexity change, recall."""
+    if fid.get("skipped"):
+        return f"not measured ({fid['skipped']})"
     parts = []
     if fid.get("next_token_agreement") is not None:
         parts.append(f"next-token agreement {fmt_pct(fid['next_token_agreement'])}")
@@ -244,6 +246,9 @@ def _parity(rep: dict[str, Any]) -> Section:
 
 def _fidelity_section(fid: dict[str, Any]) -> Section:
     s = Section("What compression cost", "fidelity")
+    if fid.get("skipped"):
+        s.blocks.append(f"Not measured: {fid['skipped']}.")
+        return s
     s.blocks.append(f"The converted model ({fid.get('candidate', '?')}) against the reference, the "
                     f"{fid.get('reference', '?')}, on {fid.get('eval_data', '?')}: "
                     f"{fid.get('scored_tokens', '?')} tokens scored after a {fid.get('prefix_tokens', '?')}-token "
