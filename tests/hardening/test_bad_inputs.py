@@ -191,6 +191,18 @@ CASES: list[tuple[str, Callable[[Ctx], list], int, tuple[str, ...]]] = [
      ("capacity 24",)),
     ("validate-steps-zero", lambda c: ["validate", c.export, "--steps", "0"], 2, ("--steps",)),
     ("validate-not-an-export", lambda c: ["validate", c.model], 4, ("manifest.json", "not a kvexport artifact")),
+    ("validate-min-agreement-above-1", lambda c: ["validate", c.export, "--min-agreement", "2"], 2,
+     ("--min-agreement 2", "[0, 1]")),
+    ("validate-ppl-increase-negative", lambda c: ["validate", c.export, "--max-ppl-increase", "-1"], 2,
+     ("--max-ppl-increase", ">= 0")),
+    ("validate-eval-data-missing", lambda c: ["validate", c.export, "--eval-data", c.tmp / "none.txt"], 2,
+     ("--eval-data", "does not exist", "bundled:NAME")),
+    ("validate-gate-without-fidelity", lambda c: ["validate", c.export, "--no-fidelity", "--min-agreement", "0.5"],
+     2, ("--no-fidelity",)),
+    ("generate-engine-folder", lambda c: ["generate", _engine_dir(c), *P], 2,
+     ("TensorRT engines", "--backend tensorrt --engines")),
+    ("press-none-with-budget", lambda c: ["generate", c.model, *P, "--press", "none", "--budget", "8"], 2,
+     ("--budget/--ratio need a --press",)),
     ("plugin-not-a-library", lambda c: ["build-engine", c.export, "--plugins", c.file("libfake.so", b"not elf")],
      4, ("not a shared library",)),
     ("build-engine-edited-export", lambda c: ["build-engine", c.export_copy(_flip_byte("prefill.onnx"))], 4,
@@ -233,6 +245,8 @@ CASES: list[tuple[str, Callable[[Ctx], list], int, tuple[str, ...]]] = [
                                          "8"], 2, ("unknown press",)),
     ("profile-unknown-backend", lambda c: ["profile", c.export, "--backend", "bogus", "--out", c.tmp / "p.json"], 2,
      ("--backend", "bogus")),
+    ("profile-repeats-zero", lambda c: ["profile", c.export, "--repeats", "0", "--out", c.tmp / "p.json"], 2,
+     ("--repeats 0", ">= 1")),
     ("report-not-a-conversion", lambda c: ["report", c.model], 4, ("convert.json",)),
     ("eval-ratios-not-numbers", lambda c: ["eval", "presses", c.model, "--ratios", "abc"], 2, ("--ratios",)),
     ("eval-windows-zero", lambda c: ["eval", "presses", c.model, "--windows", "0"], 2, ("--windows",)),
@@ -252,6 +266,15 @@ CASES: list[tuple[str, Callable[[Ctx], list], int, tuple[str, ...]]] = [
                                                '{"expected_attention": {"n_future_positions": "x"}}'], 2,
      ("expected_attention",)),
 ]
+
+
+def _engine_dir(c: Ctx) -> Path:
+    """A folder that says it holds TensorRT engines (what `kvexport build-engine` writes)."""
+    d = c.tmp / "engines"
+    d.mkdir()
+    (d / "manifest.json").write_text(json.dumps({"format": 1, "kind": "tensorrt-engines", "files": {},
+                                                 "kvexport_version": "0"}))
+    return d
 
 
 def _mla_truncated(c: Ctx) -> Path:

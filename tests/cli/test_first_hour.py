@@ -1,0 +1,34 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What a new user meets in the first hour, run as a user runs it (a subprocess, output not a terminal):
+``generate --press none`` keeps every token, no library progress bars or warnings on stderr, the validate
+table is not cut when piped."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from kvexport.paths import DEFAULT_MODEL
+
+NOISE = ("Loading weights", "Removed shared tensor", "Writing model shards")
+
+
+def _kvexport(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    return subprocess.run([sys.executable, "-m", "kvexport", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+def test_generate_press_none_keeps_every_token():
+    r = _kvexport("generate", str(DEFAULT_MODEL), "--press", "none", "-p", "def parse(", "-n", "4")
+    assert r.returncode == 0, r.stderr
+    assert "'def parse(' ->" in r.stdout and "press=none budget=None" in r.stdout
+    for n in NOISE:
+        assert n not in r.stderr, r.stderr
+
+
+def test_generate_with_a_press_defaults_its_budget():
+    r = _kvexport("generate", str(DEFAULT_MODEL), "--press", "knorm", "-p", "import os", "-n", "2")
+    assert r.returncode == 0, r.stderr
+    assert "press=knorm budget=256" in r.stdout

@@ -1,0 +1,349 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every example script and every command block of README.md, docs/*.md and examples/**/*.md runs as
+written, so a drifted example fails here.
+
+Commands run in a scratch directory that looks like a checkout (``models/``, ``plugins/``... linked in), in
+file order, sharing what earlier ones wrote (``exp/snapkv`` is exported once and then generated from and
+validated). Sizes are made small without changing what a command does: example scripts get ``KVX_FAST=1``
+(their ``examples/fast.sh``), and :data:`FAST` appends a few flags to the kvexport subcommands that take
+long (the last value of an option wins). Usage synopses (``kvexport convert [MODEL] --out DIR [...]``) are
+checked against ``--help`` instead: every flag they show must exist. What cannot run here is listed in
+:data:`SKIP` with the reason; a rule that no longer matches any command fails too, so the list stays true.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
+        *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "examples").rglob("*.md"))]
+#: linked into the scratch directory so that relative paths of the docs resolve as in a checkout
+LINKED = ("models", "plugins", "scripts", "benchmarks", "constraints.txt", "examples")
+
+#: flags appended to slow kvexport subcommands (same work, smaller sizes)
+FAST = {
+    "convert": ["--contexts", "256", "--decode-steps", "4", "--validate-steps", "4", "--repeats", "1"],
+    "profile": ["--contexts", "256", "--decode-steps", "4", "--repeats", "1"],
+    "validate": ["--steps", "4"],
+    "distill": ["--tokens", "1024", "--seq-len", "64", "--batch-size", "2", "--save-every", "1000", "--no-progress"],
+    "generate": ["-n", "8"],
+}
+
+#: (pattern matched against a command, why it does not run here)
+SKIP = [
+    (r"^pip install", "installs packages: the test environment is that installation"),
+    (r"^python -m pytest", "the test suite itself"),
+    (r"^(cmake|trtexec|/usr/src/tensorrt)", "builds or runs TensorRT plugins/engines: needs CUDA and TensorRT"),
+    (r"--backend tensorrt|build-engine|kvexport\.tensorrt|scripts/gpu_check", "needs TensorRT and an NVIDIA GPU"),
+    (r"^rsync|^ssh ", "copies to a Jetson board"),
+    (r"--multi_gpu --num_processes 8", "eight GPUs"),
+    (r"^accelerate launch --multi_gpu --num_processes 2 .*--cpu", "the two-process CPU run is "
+                                                                  "tests/mla/test_distill_ddp.py"),
+    (r"distill \.\.\. ", "an outline of the command (written out in docs/mla.md)"),
+    (r"^python -m benchmarks( *$| --quick| --rows)", "a full benchmark run (minutes to hours); the --tiny run is "
+                                                    "tests/benchmarks/test_bench_smoke.py"),
+    (r"^python -m benchmarks --tiny", "tests/benchmarks/test_bench_smoke.py runs it"),
+    (r"^python -m benchmarks --render", "needs the results of a full benchmark run"),
+    (r"^python scripts/train_reference\.py", "trains the reference models (hours)"),
+    (r"lm_eval", "needs the optional lm-eval package (pip install 'kvexport[eval]')"),
+]
+
+#: placeholders of the docs -> what stands for them here
+#: (the Jetson README's ~/DIR is the directory copied to the board's home: here the scratch directory itself)
+PLACEHOLDERS = {"MODEL_DIR": "model_dir", "EXPORT_DIR": "exp/snapkv", "~/": ""}
+
+#: python blocks that are fragments of a larger program (names defined elsewhere), with what they lack
+FRAGMENTS = {
+    "docs/export.md": "uses input_ids / attention_mask / n from the surrounding text",
+    "docs/mla.md": "uses hf_model, a loaded transformers model",
+    "docs/tensorrt.md": "needs TensorRT engines",
+}
+
+
+@dataclass
+class Cmd:
+    source: str  # file:line
+    text: str
+    block: int = 0  # first line of its fenced block
+    lang: str = "bash"  # "" for an unlabelled block: only its `kvexport ...` usage synopses are read
+
+
+def _block_of(c: Cmd) -> int:
+    return c.block
+
+
+def _blocks(rel: str) -> list[tuple[str, int, str]]:
+    """(language, first line number, body) of each fenced block of ``rel``."""
+    out = []
+    lines = (ROOT / rel).read_text(encoding="utf-8").splitlines()
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^```(\w*)\s*$", lines[i])
+        if m:
+            j = i + 1
+            while j < len(lines) and not lines[j].startswith("```"):
+                j += 1
+            out.append((m.group(1), i + 2, "\n".join(lines[i + 1:j])))
+            i = j
+        i += 1
+    return out
+
+
+def commands(rel: str) -> list[Cmd]:
+    """The shell commands of ``rel``'s bash blocks (and the ``kvexport`` lines of unlabelled blocks, which are
+    usage synopses): continuations joined, comments dropped, ``&&`` split."""
+    out = []
+    for lang, line, body in _blocks(rel):
+        if lang not in ("bash", ""):
+            continue
+        joined, start = "", line
+        lines = body.splitlines()
+        if lang == "":  # a synopsis wraps onto indented lines without a backslash
+            lines = [ln + " \\" if k + 1 < len(lines) and lines[k + 1][:1].isspace() else ln
+                     for k, ln in enumerate(lines)]
+        for k, raw in enumerate(lines):
+            if not joined:
+                start = line + k
+            joined += raw.rstrip()[:-1] + " " if raw.rstrip().endswith("\\") else raw
+            if raw.rstrip().endswith("\\"):
+                continue
+            text = _strip_comment(joined)
+            joined = ""
+            for part in (p.strip() for p in re.split(r"\s&&\s", text or "")):
+                if part and (lang == "bash" or part.startswith("kvexport ")):
+                    out.append(Cmd(f"{rel}:{start}", part, line, lang))
+    return out
+
+
+def _strip_comment(line: str) -> str:
+    """``line`` without a trailing ``# comment`` (a ``#`` outside quotes, after a blank or at the start)."""
+    idx = _comment_index(line)
+    return (line[:idx] if idx is not None else line).strip()
+
+
+def _comment_index(line: str) -> int | None:
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            if ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return i
+    return None
+
+
+def is_synopsis(text: str) -> bool:
+    return bool(re.search(r"\[--|\[MODEL\]| DIR\b|\.\.\. ", text)) and text.startswith("kvexport")
+
+
+def skip_reason(text: str) -> str | None:
+    for pat, why in SKIP:
+        if re.search(pat, text):
+            return why
+    return None
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    env = {**os.environ, "KVX_FAST": "1", "PYTHONPATH": str(ROOT)}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    return env
+
+
+def _run(text: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", f"set -euo pipefail; {text}"], cwd=cwd, env=_env(cwd), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _fast(text: str) -> str:
+    words = shlex.split(text)
+    if len(words) > 1 and words[0] == "kvexport" and words[1] in FAST:
+        return text + " " + " ".join(FAST[words[1]])
+    return text
+
+
+def _substitute(text: str) -> str:
+    for k, v in PLACEHOLDERS.items():
+        text = text.replace(k, v)
+    return text
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Path:
+    """A directory that looks like a checkout, with the inputs the docs name (a tiny model dir whose K/V is
+    wide enough for the docs' ranks, training text)."""
+    from tests.convert.helpers import make_tiny_hf_dir
+
+    d = tmp_path_factory.mktemp("docs")
+    for name in LINKED:
+        (d / name).symlink_to(ROOT / name)
+    (d / "docs").mkdir()
+    # MODEL_DIR: a Llama with 4 KV heads of 64 (2*4*64 = 512 elements per token: room for --mla-rank 128 + 32)
+    make_tiny_hf_dir(d / "model_dir", hidden_size=256, heads=4, kv_heads=4, head_dim=64, layers=2)
+    text = "".join(p.read_text() for p in sorted(Path(json.__file__).parent.glob("*.py")))
+    for name in ("train.txt", "text.txt"):
+        (d / name).write_text(text)
+    return d
+
+
+def all_commands() -> list[Cmd]:
+    return [c for rel in DOCS for c in commands(rel)]
+
+
+def test_skip_rules_are_all_used():
+    texts = [_substitute(c.text) for c in all_commands() if c.lang == "bash"]
+    for pat, why in SKIP:
+        assert any(re.search(pat, t) for t in texts), f"SKIP rule {pat!r} ({why}) matches no command any more"
+    assert set(FRAGMENTS) <= set(DOCS)
+
+
+def test_synopses_name_existing_flags():
+    """A usage synopsis in the docs shows only flags the command has."""
+    from typer.main import get_command
+
+    from kvexport.cli import app
+
+    cli = get_command(app)
+    seen = 0
+    for c in all_commands():
+        if not is_synopsis(c.text):
+            continue
+        words = c.text.split()
+        cmd = cli.commands[words[1]]
+        known = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
+        for flag in re.findall(r"(--[a-z][a-z0-9-]*)", c.text):
+            assert flag in known, f"{c.source}: `kvexport {words[1]}` has no {flag}"
+        seen += 1
+    assert seen >= 3
+
+
+def _checks(text: str, cwd: Path) -> None:
+    """What a command promises beyond its exit code."""
+    words = shlex.split(text)
+    if words[:2] == ["kvexport", "convert"]:
+        out = cwd / words[words.index("--out") + 1]
+        parity = json.loads((out / "parity.json").read_text())
+        assert all(p["passed"] for p in parity["pairs"].values())
+        assert (out / "report.html").is_file() and (out / "profile-onnxruntime.json").is_file()
+    elif words[:2] == ["kvexport", "export"]:
+        out = cwd / words[words.index("--out") + 1]
+        assert (out / "manifest.json").is_file() and list(out.glob("*.onnx"))
+
+
+def test_docs_commands(scratch):
+    """Every command block that can run here, in file order (README first), in one scratch checkout."""
+    ran, done = [], {}
+    for rel in DOCS:
+        block_outs: dict[str, set[str]] = {}
+        for c in commands(rel):
+            text = _substitute(c.text)
+            if c.lang != "bash" or skip_reason(text) is not None or is_synopsis(text):  # synopses: see above
+                continue
+            if text.startswith("chromium") and shutil.which("chromium") is None:
+                continue  # the screenshot command; the browser tests say chromium is missing
+            out = _out_of(text)
+            line_block = c.source.rsplit(":", 1)[0] + ":" + str(_block_of(c))
+            if out and out in block_outs.get(line_block, set()):
+                shutil.rmtree(scratch / out)  # alternatives in one block write the same --out: each runs fresh
+            block_outs.setdefault(line_block, set()).add(out or "")
+            key = _dedupe_key(text)
+            if key in done:  # the same conversion under another name: copy it instead of redoing it
+                prev, out = done[key], _out_of(text)
+                if prev and out and prev != out:
+                    shutil.copytree(scratch / prev, scratch / out, symlinks=True, dirs_exist_ok=True)
+                continue
+            r = _run(_fast(text), scratch)
+            assert r.returncode == 0, f"{c.source}: `{text}` exited {r.returncode}\n{r.stdout[-3000:]}\n" \
+                                      f"{r.stderr[-3000:]}"
+            _checks(text, scratch)
+            done[key] = _out_of(text)
+            ran.append(c.source)
+    assert len(ran) >= 20, ran
+    # the quickstart's conversion passed on through the Jetson flow: deploy.sh on CPU (TensorRT steps skipped)
+    r = _run("bash examples/jetson/deploy.sh kvx-student-kvx 87", scratch)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "skipping the TensorRT steps" in r.stdout
+    from kvexport.convert import layout
+
+    layout.verify_conversion(scratch / "kvx-student-kvx")
+    shot = scratch / "docs" / "report_screenshot.png"
+    if shutil.which("chromium"):  # docs/convert.md's screenshot command drew the quickstart's report
+        from tests.report.test_report import png_size
+
+        assert png_size(shot.read_bytes()) == (1280, 1500)
+
+
+def test_readme_python_snippets(scratch):
+    """README's Python blocks run as written; docs' complete snippets too (fragments are listed)."""
+    n = 0
+    for rel in DOCS:
+        for lang, line, body in _blocks(rel):
+            if lang != "python" or rel in FRAGMENTS:
+                continue
+            r = subprocess.run([sys.executable, "-c", body], cwd=scratch, env=_env(scratch), capture_output=True,
+                               text=True, timeout=600)
+            assert r.returncode == 0, f"{rel}:{line}\n{body}\n{r.stderr[-3000:]}"
+            n += 1
+    assert n >= 2
+
+
+def _out_of(text: str) -> str | None:
+    words = shlex.split(text)
+    for flag in ("--out", "-o"):
+        if flag in words:
+            return words[words.index(flag) + 1]
+    return None
+
+
+def _dedupe_key(text: str) -> str:
+    """``text`` without its output directory for conversions (the same run under another name), else itself."""
+    words = shlex.split(text)
+    if words[:2] == ["kvexport", "convert"] and "--out" in words:
+        i = words.index("--out")
+        return " ".join(words[:i] + words[i + 2:])
+    return text
+
+
+EXAMPLES = {
+    "eviction_only.sh": ([], ["parity: {'pytorch~onnxruntime': True}", "context    256: KV"]),
+    "mla_only.sh": ([], ["The converted model is slower than the uncompressed baseline here",
+                         "attends over all of them at every step"]),
+    "mla_and_eviction.sh": ([], ["distill          done"]),
+    "local_checkpoint.sh": (["models/kvx-teacher-2x"], ["redo with: kvexport convert --config"]),
+}
+
+
+def test_every_example_script_is_tested():
+    scripts = {p.name for p in (ROOT / "examples").glob("*.sh")} - {"fast.sh"}
+    assert scripts == set(EXAMPLES), scripts
+    assert (ROOT / "examples" / "jetson" / "deploy.sh").is_file()  # run by test_docs_commands
+
+
+@pytest.mark.parametrize("script", sorted(EXAMPLES))
+def test_example_script(script, tmp_path):
+    for name in LINKED:
+        (tmp_path / name).symlink_to(ROOT / name)
+    args, expect = EXAMPLES[script]
+    out = tmp_path / "out"
+    r = _run(" ".join(["bash", f"examples/{script}", *args, str(out)]), tmp_path)
+    text = r.stdout + r.stderr
+    assert r.returncode == 0, text[-4000:]
+    for e in expect:
+        assert e in text, (e, text[-4000:])
+    parity = json.loads((out / "parity.json").read_text())
+    assert all(p["passed"] for p in parity["pairs"].values())
+    from kvexport.convert import layout
+
+    layout.verify_conversion(out)
