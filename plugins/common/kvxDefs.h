@@ -9,4 +9,4 @@
 #endif
 
 //! Bumped when a kvx_* signature changes; kvx_abi_version() returns it.
-#define KVX_ABI_VERSION 1
+#define KVX_ABI_VERSION 2

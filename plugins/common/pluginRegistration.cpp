@@ -1,12 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-// Entry points of libkvexport_plugins.so:
-//  - static registration (REGISTER_TENSORRT_PLUGIN): the creators register when the library is loaded
-//    (trtexec --staticPlugins, Python ctypes.CDLL). Compiled in unless KVEXPORT_STATIC_REGISTRATION=0.
-//  - getCreators / setLoggerFinder (extern "C"): TensorRT's IPluginRegistry::loadLibrary
-//    (trtexec --dynamicPlugins, --setPluginsToSerialize, Python registry.load_library).
-// loadLibrary dlopens the library (which runs the static registration) and then refuses creators that are registered
-// already; so, with static registration compiled in, getCreators first hands the statically registered creators back
-// (deregisters them) and returns its own, which TensorRT then registers under the library's handle.
+// Entry points of libkvexport_plugins.so, as TensorRT documents them for plugin libraries:
+//  - getCreators / setLoggerFinder (extern "C"): IPluginRegistry::loadLibrary, trtexec --dynamicPlugins,
+//    --setPluginsToSerialize, Python registry.load_library. The library registers nothing itself, so it needs no
+//    libnvinfer at link time (the lean runtime can load it) and loadLibrary finds no duplicate creators.
+//  - load-time registration (REGISTER_TENSORRT_PLUGIN, for trtexec --staticPlugins or ctypes.CDLL) only when built
+//    with -DKVEXPORT_STATIC_REGISTRATION=ON (CMake option of the same name, default OFF). Such a build registers
+//    its creators when it is loaded and links libnvinfer; do not also hand it to loadLibrary / --dynamicPlugins,
+//    which would then see the same creators twice.
 #include "../latent_attention/latentAttentionPlugin.h"
 #include "../topk_gather/topKGatherPlugin.h"
 #include "kvxDefs.h"
@@ -18,7 +18,7 @@
 using namespace nvinfer1;
 
 #ifndef KVEXPORT_STATIC_REGISTRATION
-#define KVEXPORT_STATIC_REGISTRATION 1
+#define KVEXPORT_STATIC_REGISTRATION 0
 #endif
 
 namespace kvexport
@@ -91,21 +91,6 @@ extern "C" KVX_API IPluginCreatorInterface* const* getCreators(int32_t& nbCreato
     static kvexport::TopKGatherPluginCreator sTopKGather;
     static kvexport::LatentAttentionPluginCreator sLatentAttention;
     static IPluginCreatorInterface* const kCreators[] = {&sTopKGather, &sLatentAttention};
-#if KVEXPORT_STATIC_REGISTRATION
-    IPluginRegistry* registry = getPluginRegistry();
-    if (registry != nullptr)
-    {
-        for (char const* name : {kvexport::TopKGatherPlugin::kNAME, kvexport::LatentAttentionPlugin::kNAME})
-        {
-            IPluginCreatorInterface* existing
-                = registry->getCreator(name, kvexport::kPLUGIN_VERSION, kvexport::kPLUGIN_NAMESPACE);
-            if (existing != nullptr && existing != kCreators[0] && existing != kCreators[1])
-            {
-                registry->deregisterCreator(*existing);
-            }
-        }
-    }
-#endif
     nbCreators = 2;
     return kCreators;
 }

@@ -1,101 +1,86 @@
 // SPDX-License-Identifier: Apache-2.0
-// LatentAttention kernels (split-K "flash-decoding" over the slots, Dao et al. 2023):
+// LatentAttention kernels: split-K "flash-decoding" (Dao et al. 2023) over the latent slots.
 //
-//  1. latentSplitKernel, grid (splits, query groups, B): a block owns up to 32 query rows (all heads of a decode
-//     step) and a contiguous range of slots. It stages its queries once in shared memory, then walks the range in
-//     tiles of 32 slots: each tile of the latent cache is read from global memory ONCE and used by every head for
-//     the logits (lane = slot) and for the value sum (lane = latent channel), with an online softmax per row. Raw
-//     logits are also written out (float32) for the attention mass.
-//  2. latentCombineKernel, grid (B * Hq * T): merges the per-split partial softmax states into the output row and
-//     keeps the row's max / sum.
-//  3. latentMassKernel, grid (S / 256, B): attn_mass[b, j] = sum over rows of exp(logit - max) / sum.
+// Tensor-core path (fp16 / bf16, sm_80+), latentMmaKernel, grid (row tiles, splits, B):
+//   A block owns M = 16 * warpsM query rows (heads x queries: the heads of a decode step form one matrix tile) and a
+//   contiguous range of slot tiles. Its queries are staged once in shared memory; latent tiles of N rows stream
+//   through a two-stage cp.async ring (tile i+1 is in flight while tile i is consumed). Per tile:
+//     S = Q Lat^T    warp (wm, wr): rows 16 wm.., slots SW wr.. of the tile; mma.sync m16n8k16 on ldmatrix operands
+//     softmax        masked, scaled, online (running max and sum per row; warps sharing rows exchange row maxima)
+//     P -> shared    in the input type (the reference rounds the probabilities to q's dtype as well)
+//     O += P Lat     warp (wm, wr) owns the output columns 8 NT wr..; V fragments by ldmatrix.trans of the same tile
+//   so a latent tile is read from global memory once per row tile and feeds both products. With one split the block
+//   writes `out`; otherwise float32 partials (accumulator, row max, row sum) for latentCombineKernel.
+// CUDA-core path (fp32, or no tensor-core configuration fits), latentSimtKernel: the same split structure with
+//   float32 shared tiles of 32 slots, lane = slot for the logits and lane = channel for the value sum.
+// latentCombineKernel, grid (B * rows): merges the split partials into `out`.
 //
-// Masking follows docs/custom_ops.md: slot j is visible to query t iff 0 <= latent_pos[j] <= q_pos[t]; masked
-// logits are -FLT_MAX (finfo(float32).min), so a query that sees nothing averages all S slots uniformly.
+// The split count comes from a cost model (planLatentAttention): modelled time of the main kernel (waves of blocks,
+// each bound by its share of memory bandwidth or of tensor / FMA throughput) plus the partials' traffic and the
+// combine launch; among choices within 3 % of the best, the one moving the fewest partial bytes wins.
+//
+// Masking follows docs/custom_ops.md: slot j is visible to query t iff 0 <= latent_pos[j] <= q_pos[t]; masked logits
+// are -FLT_MAX (finfo(float32).min), so a query that sees nothing averages all S slots uniformly; tile padding beyond
+// S is -inf (weight 0).
 #include "latentAttentionKernel.h"
 
+#include "../common/kvxMma.cuh"
 #include "../common/kvxTypes.cuh"
 
 #include <algorithm>
 #include <cfloat>
+#include <cmath>
+#include <type_traits>
+#include <vector>
 
 namespace kvexport
 {
 namespace
 {
 
-constexpr int32_t kTileSlots = 32;      // slots per shared-memory tile (one per lane)
-constexpr int32_t kRowsPerWarp = 4;     // query rows per warp
-constexpr int32_t kMaxRowsPerBlock = 32;
-constexpr int32_t kWorkspaceBlockBound = 1024; // split bound used for the workspace size (>= 4 * SMs on any GPU)
-constexpr int32_t kCombineThreads = 128;
-constexpr int32_t kMassThreads = 256;
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
+constexpr int32_t kMaxSplits = 128;          // per row tile
+constexpr int32_t kMaxSplitBlocks = 512;     // B * row tiles * splits
+constexpr int32_t kMinTileSlots = 16;        // smallest tile of any path (bounds the split count)
+constexpr int32_t kLargestRowTile = 64;      // largest rows per block of any path (bounds the split count)
+constexpr int32_t kMmaMaxThreads = 256;
+constexpr int32_t kSimtTileSlots = 32;
+constexpr int32_t kSimtRowsPerWarp = 4;
+constexpr int32_t kSimtMaxRowsPerBlock = 32;
+constexpr int32_t kCombineThreads = 128;
 
 __host__ __device__ inline int64_t ceilDiv(int64_t a, int64_t b)
 {
     return (a + b - 1) / b;
 }
 
-//! Row stride in shared memory: a multiple of 4 elements whose count of 4-element groups is odd, so the vector
-//! loads of 32 lanes reading 32 different rows hit distinct banks.
-inline int32_t paddedDim(int32_t dim)
-{
-    int32_t dp = static_cast<int32_t>(ceilDiv(dim, 4) * 4);
-    if ((dp / 4) % 2 == 0)
-    {
-        dp += 4;
-    }
-    return dp;
-}
-
-//! Number of slot splits for a grid of (splits, groups, B) blocks aiming at `targetBlocks` blocks.
-inline int32_t numSplits(int64_t batch, int64_t rows, int64_t slots, int64_t rowsPerBlock, int64_t targetBlocks)
-{
-    int64_t const groups = ceilDiv(rows, rowsPerBlock);
-    int64_t const tiles = ceilDiv(slots, kTileSlots);
-    int64_t const want = std::max<int64_t>(1, ceilDiv(targetBlocks, batch * groups));
-    int64_t const splits = std::min(tiles, want);
-    int64_t const tilesPerSplit = ceilDiv(tiles, splits);
-    return static_cast<int32_t>(ceilDiv(tiles, tilesPerSplit));
-}
-
-inline int32_t maxSplits(int64_t batch, int64_t rows, int64_t slots)
-{
-    return numSplits(batch, rows, slots, kMaxRowsPerBlock, kWorkspaceBlockBound);
-}
-
-//! Workspace layout, float elements, each section 256-byte aligned.
-struct WorkspaceLayout
-{
-    size_t logits, partMax, partSum, partAcc, rowMax, rowSum, total;
-};
-
 inline size_t alignUp(size_t bytes)
 {
     return (bytes + 255) / 256 * 256;
 }
 
-WorkspaceLayout workspaceLayout(int64_t batch, int64_t rows, int64_t slots, int64_t rank)
+//! Workspace layout (bytes) of `splits` partials per row.
+struct WorkspaceLayout
 {
-    int64_t const splits = maxSplits(batch, rows, slots);
-    int64_t const br = batch * rows;
+    size_t acc, max, sum, total;
+};
+
+WorkspaceLayout workspaceLayout(int64_t batchRows, int64_t splits, int64_t rank)
+{
     WorkspaceLayout w{};
-    size_t off = 0;
-    w.logits = off;
-    off += alignUp(sizeof(float) * br * slots);
-    w.partMax = off;
-    off += alignUp(sizeof(float) * br * splits);
-    w.partSum = off;
-    off += alignUp(sizeof(float) * br * splits);
-    w.partAcc = off;
-    off += alignUp(sizeof(float) * br * splits * rank);
-    w.rowMax = off;
-    off += alignUp(sizeof(float) * br);
-    w.rowSum = off;
-    off += alignUp(sizeof(float) * br);
-    w.total = off;
+    w.acc = 0;
+    w.max = alignUp(sizeof(float) * batchRows * splits * rank);
+    w.sum = w.max + alignUp(sizeof(float) * batchRows * splits);
+    w.total = w.sum + alignUp(sizeof(float) * batchRows * splits);
     return w;
+}
+
+//! Largest split count any plan may choose for these shapes.
+int64_t splitBound(int64_t batch, int64_t rows, int64_t slots)
+{
+    int64_t const minRowTiles = ceilDiv(rows, kLargestRowTile);
+    return std::max<int64_t>(1, std::min<int64_t>({kMaxSplits, ceilDiv(slots, kMinTileSlots),
+                                    std::max<int64_t>(1, kMaxSplitBlocks / (batch * minRowTiles))}));
 }
 
 __device__ __forceinline__ float warpMax(float x)
@@ -116,8 +101,428 @@ __device__ __forceinline__ float warpSum(float x)
     return x;
 }
 
-//! Stages `nRows` rows of `dim` elements from a contiguous global block into float32 shared rows of stride `dp`
-//! (converted once here, so the inner loops do no conversions); rows >= validRows are zero-filled.
+// ---------------------------------------------------------------------------------------------------------------
+// Tensor-core path
+
+template <typename T>
+__device__ __forceinline__ void mma(float (&d)[4], uint32_t const (&a)[4], uint32_t const (&b)[2]);
+template <>
+__device__ __forceinline__ void mma<__half>(float (&d)[4], uint32_t const (&a)[4], uint32_t const (&b)[2])
+{
+    mmaF16(d, a, b);
+}
+template <>
+__device__ __forceinline__ void mma<__nv_bfloat16>(float (&d)[4], uint32_t const (&a)[4], uint32_t const (&b)[2])
+{
+    mmaBf16(d, a, b);
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t packPair(float a, float b);
+template <>
+__device__ __forceinline__ uint32_t packPair<__half>(float a, float b)
+{
+    __half2 const h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t const*>(&h);
+}
+template <>
+__device__ __forceinline__ uint32_t packPair<__nv_bfloat16>(float a, float b)
+{
+    __nv_bfloat162 const h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t const*>(&h);
+}
+
+template <typename T>
+struct MmaArgs
+{
+    T const* q;
+    T const* latent;
+    int64_t const* qPos;
+    int64_t const* latPos;
+    int32_t rows;    // heads * queries
+    int32_t queries; // T
+    int32_t slots;   // S
+    int32_t dim;     // D
+    int32_t dk;      // D rounded up to 16 (the k extent of S = Q Lat^T)
+    int32_t ld;      // shared row stride of Q and latent tiles, elements (dk + 8: conflict-free ldmatrix rows)
+    int32_t ldp;     // shared row stride of P, elements (tileSlots + 8)
+    int32_t rank;    // R
+    int32_t warpsM;  // row groups of 16 rows
+    int32_t warpsR;  // warps per row group (they split the tile's slots for S and the output columns for O)
+    int32_t tileSlots;
+    int32_t tilesPerSplit;
+    int32_t splits;
+    int32_t vec; // cp.async chunk, bytes (16, 8 or 4: divides D * sizeof(T) and the latent's alignment)
+    float scale;
+    T* out;
+    float* partAcc;
+    float* partMax;
+    float* partSum;
+};
+
+//! Dynamic shared memory layout of latentMmaKernel, bytes (every section 16-byte aligned).
+struct MmaSmem
+{
+    int32_t q, lat0, lat1, p, lp0, lp1, red, total;
+};
+
+__host__ __device__ inline MmaSmem mmaSmem(int32_t m, int32_t n, int32_t ld, int32_t ldp, int32_t warps)
+{
+    MmaSmem s{};
+    int32_t off = 0;
+    s.q = off;
+    off += m * ld * 2;
+    s.lat0 = off;
+    off += n * ld * 2;
+    s.lat1 = off;
+    off += n * ld * 2;
+    s.p = off;
+    off += m * ldp * 2;
+    s.lp0 = off;
+    off += n * 8;
+    s.lp1 = off;
+    off += n * 8;
+    s.red = off;
+    off += warps * 16 * 4;
+    s.total = off;
+    return s;
+}
+
+//! NT: 8-column output tiles per warp (O accumulators: 4 NT floats per thread); SW: slots per warp per tile.
+template <typename T, int32_t NT, int32_t SW>
+__global__ void __launch_bounds__(kMmaMaxThreads) latentMmaKernel(MmaArgs<T> const a)
+{
+    extern __shared__ __align__(16) unsigned char smem[];
+    constexpr int32_t kS = SW / 8; // S n-tiles per warp
+    int32_t const warps = a.warpsM * a.warpsR;
+    int32_t const m16 = 16 * a.warpsM;
+    int32_t const n = a.tileSlots;
+    MmaSmem const lay = mmaSmem(m16, n, a.ld, a.ldp, warps);
+    T* sQ = reinterpret_cast<T*>(smem + lay.q);
+    T* sLat[2] = {reinterpret_cast<T*>(smem + lay.lat0), reinterpret_cast<T*>(smem + lay.lat1)};
+    T* sP = reinterpret_cast<T*>(smem + lay.p);
+    int64_t* sLp[2] = {reinterpret_cast<int64_t*>(smem + lay.lp0), reinterpret_cast<int64_t*>(smem + lay.lp1)};
+    float* sRed = reinterpret_cast<float*>(smem + lay.red);
+
+    int32_t const tid = threadIdx.x;
+    int32_t const nThreads = blockDim.x;
+    int32_t const warp = tid / 32;
+    int32_t const lane = tid % 32;
+    int32_t const g = lane >> 2;
+    int32_t const t4 = lane & 3;
+    int32_t const wm = warp % a.warpsM;
+    int32_t const wr = warp / a.warpsM;
+    int32_t const row0 = blockIdx.x * m16;
+    int32_t const split = blockIdx.y;
+    int64_t const b = blockIdx.z;
+
+    // queries (zero beyond D and beyond the last row) and the latent tiles' k padding [D, dk), once
+    T const zero = fromFloat<T>(0.0F);
+    for (int32_t i = tid; i < m16 * a.dk; i += nThreads)
+    {
+        int32_t const r = i / a.dk;
+        int32_t const c = i - r * a.dk;
+        int32_t const m = row0 + r;
+        sQ[r * a.ld + c] = (m < a.rows && c < a.dim) ? a.q[(b * a.rows + m) * a.dim + c] : zero;
+    }
+    int32_t const pad = a.dk - a.dim;
+    for (int32_t i = tid; i < 2 * n * pad; i += nThreads)
+    {
+        int32_t const stage = i / (n * pad);
+        int32_t const r = (i - stage * n * pad) / pad;
+        int32_t const c = a.dim + (i - stage * n * pad - r * pad);
+        sLat[stage][r * a.ld + c] = zero;
+    }
+
+    int32_t const tiles = static_cast<int32_t>(ceilDiv(a.slots, n));
+    int32_t const tileBegin = split * a.tilesPerSplit;
+    int32_t const tileEnd = min(tiles, tileBegin + a.tilesPerSplit);
+    int32_t const rowBytes = a.dim * static_cast<int32_t>(sizeof(T));
+    int32_t const chunksPerRow = rowBytes / a.vec;
+    auto const* latB = reinterpret_cast<unsigned char const*>(a.latent + b * a.slots * a.dim);
+    int64_t const* lpB = a.latPos + b * a.slots;
+
+    // issues the copies of one tile (latent rows and their positions) as one cp.async group
+    auto load = [&](int32_t tile, int32_t stage) {
+        int32_t const s0 = tile * n;
+        auto* dst = reinterpret_cast<unsigned char*>(sLat[stage]);
+        for (int32_t i = tid; i < n * chunksPerRow; i += nThreads)
+        {
+            int32_t const r = i / chunksPerRow;
+            int32_t const c = i - r * chunksPerRow;
+            bool const in = s0 + r < a.slots;
+            unsigned char const* src = latB + static_cast<int64_t>(in ? s0 + r : 0) * rowBytes + c * a.vec;
+            void* d = dst + r * a.ld * static_cast<int32_t>(sizeof(T)) + c * a.vec;
+            int32_t const bytes = in ? a.vec : 0;
+            if (a.vec == 16)
+            {
+                cpAsync<16>(d, src, bytes);
+            }
+            else if (a.vec == 8)
+            {
+                cpAsync<8>(d, src, bytes);
+            }
+            else
+            {
+                cpAsync<4>(d, src, bytes);
+            }
+        }
+        for (int32_t r = tid; r < n; r += nThreads)
+        {
+            bool const in = s0 + r < a.slots;
+            cpAsync<8>(sLp[stage] + r, lpB + (in ? s0 + r : 0), in ? 8 : 0);
+        }
+        cpAsyncCommit();
+    };
+
+    int64_t qp[2];
+#pragma unroll
+    for (int32_t r = 0; r < 2; ++r)
+    {
+        int32_t const m = row0 + wm * 16 + g + 8 * r;
+        qp[r] = m < a.rows ? a.qPos[b * a.queries + m % a.queries] : -1;
+    }
+    float mRun[2] = {-INFINITY, -INFINITY};
+    float lRun[2] = {0.0F, 0.0F};
+    float o[NT][4];
+#pragma unroll
+    for (int32_t j = 0; j < NT; ++j)
+    {
+#pragma unroll
+        for (int32_t i = 0; i < 4; ++i)
+        {
+            o[j][i] = 0.0F;
+        }
+    }
+    int32_t const slotBase = wr * SW;    // this warp's slots within a tile
+    int32_t const colBase = wr * NT * 8; // this warp's output columns
+    T const* qRows = sQ + (wm * 16 + (lane & 15)) * a.ld + (lane >> 4) * 8;
+    T const* pRows = sP + (wm * 16 + (lane & 15)) * a.ldp + (lane >> 4) * 8;
+
+    load(tileBegin, 0);
+    for (int32_t tile = tileBegin; tile < tileEnd; ++tile)
+    {
+        int32_t const stage = (tile - tileBegin) & 1;
+        if (tile + 1 < tileEnd)
+        {
+            load(tile + 1, stage ^ 1);
+            cpAsyncWait<1>();
+        }
+        else
+        {
+            cpAsyncWait<0>();
+        }
+        __syncthreads(); // this tile (and, the first time, the queries) visible to every warp
+        T const* lat = sLat[stage];
+
+        // S = Q Lat^T for 16 rows x SW slots
+        float s[kS][4];
+#pragma unroll
+        for (int32_t j = 0; j < kS; ++j)
+        {
+#pragma unroll
+            for (int32_t i = 0; i < 4; ++i)
+            {
+                s[j][i] = 0.0F;
+            }
+        }
+        T const* latRows = lat + (slotBase + (lane & 7) + (lane >> 4) * 8) * a.ld + ((lane >> 3) & 1) * 8;
+        for (int32_t kk = 0; kk < a.dk; kk += 16)
+        {
+            uint32_t af[4];
+            ldmatrixX4(af, qRows + kk);
+#pragma unroll
+            for (int32_t j = 0; j < kS / 2; ++j)
+            {
+                uint32_t bf[4];
+                ldmatrixX4(bf, latRows + j * 16 * a.ld + kk);
+                uint32_t const b0[2] = {bf[0], bf[1]};
+                uint32_t const b1[2] = {bf[2], bf[3]};
+                mma<T>(s[2 * j], af, b0);
+                mma<T>(s[2 * j + 1], af, b1);
+            }
+        }
+
+        // mask and scale; the tile's row maxima
+        float tmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int32_t j = 0; j < kS; ++j)
+        {
+#pragma unroll
+            for (int32_t i = 0; i < 4; ++i)
+            {
+                int32_t const local = slotBase + j * 8 + 2 * t4 + (i & 1);
+                int32_t const r = i >> 1;
+                bool const in = tile * n + local < a.slots;
+                int64_t const lp = sLp[stage][local];
+                bool const visible = in && lp >= 0 && lp <= qp[r];
+                float const x = visible ? s[j][i] * a.scale : (in ? -FLT_MAX : -INFINITY);
+                s[j][i] = x;
+                tmax[r] = fmaxf(tmax[r], x);
+            }
+        }
+#pragma unroll
+        for (int32_t r = 0; r < 2; ++r)
+        {
+            tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(kFullMask, tmax[r], 1));
+            tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(kFullMask, tmax[r], 2));
+        }
+        if (a.warpsR > 1)
+        {
+            if (t4 == 0)
+            {
+                sRed[warp * 16 + g] = tmax[0];
+                sRed[warp * 16 + g + 8] = tmax[1];
+            }
+            __syncthreads();
+            for (int32_t w = 0; w < a.warpsR; ++w)
+            {
+                tmax[0] = fmaxf(tmax[0], sRed[(w * a.warpsM + wm) * 16 + g]);
+                tmax[1] = fmaxf(tmax[1], sRed[(w * a.warpsM + wm) * 16 + g + 8]);
+            }
+        }
+        float corr[2];
+#pragma unroll
+        for (int32_t r = 0; r < 2; ++r)
+        {
+            float const mNew = fmaxf(mRun[r], tmax[r]);
+            corr[r] = expf(mRun[r] - mNew); // 0 on the first tile (mRun = -inf)
+            mRun[r] = mNew;
+        }
+
+        // probabilities to shared memory (input type), row sums of this warp's slots
+        float lTile[2] = {0.0F, 0.0F};
+#pragma unroll
+        for (int32_t j = 0; j < kS; ++j)
+        {
+            float const p0 = expf(s[j][0] - mRun[0]);
+            float const p1 = expf(s[j][1] - mRun[0]);
+            float const p2 = expf(s[j][2] - mRun[1]);
+            float const p3 = expf(s[j][3] - mRun[1]);
+            lTile[0] += p0 + p1;
+            lTile[1] += p2 + p3;
+            int32_t const col = slotBase + j * 8 + 2 * t4;
+            *reinterpret_cast<uint32_t*>(sP + (wm * 16 + g) * a.ldp + col) = packPair<T>(p0, p1);
+            *reinterpret_cast<uint32_t*>(sP + (wm * 16 + g + 8) * a.ldp + col) = packPair<T>(p2, p3);
+        }
+#pragma unroll
+        for (int32_t r = 0; r < 2; ++r)
+        {
+            lRun[r] = lRun[r] * corr[r] + lTile[r];
+        }
+#pragma unroll
+        for (int32_t j = 0; j < NT; ++j)
+        {
+            o[j][0] *= corr[0];
+            o[j][1] *= corr[0];
+            o[j][2] *= corr[1];
+            o[j][3] *= corr[1];
+        }
+        __syncthreads(); // P of every warp written
+
+        // O += P V, V = the tile's first R columns
+        T const* vRows = lat + ((lane & 7) + ((lane >> 3) & 1) * 8) * a.ld + colBase + (lane >> 4) * 8;
+        for (int32_t kk = 0; kk < n; kk += 16)
+        {
+            uint32_t pf[4];
+            ldmatrixX4(pf, pRows + kk);
+#pragma unroll
+            for (int32_t j = 0; j < NT / 2; ++j)
+            {
+                if (colBase + j * 16 < a.rank)
+                {
+                    uint32_t vf[4];
+                    ldmatrixX4Trans(vf, vRows + kk * a.ld + j * 16);
+                    uint32_t const b0[2] = {vf[0], vf[1]};
+                    uint32_t const b1[2] = {vf[2], vf[3]};
+                    mma<T>(o[2 * j], pf, b0);
+                    mma<T>(o[2 * j + 1], pf, b1);
+                }
+            }
+        }
+        __syncthreads(); // every warp is done with this stage before the next iteration refills it
+    }
+
+    // row sums over the quad, then over the warps that shared the rows
+#pragma unroll
+    for (int32_t r = 0; r < 2; ++r)
+    {
+        lRun[r] += __shfl_xor_sync(kFullMask, lRun[r], 1);
+        lRun[r] += __shfl_xor_sync(kFullMask, lRun[r], 2);
+    }
+    if (a.warpsR > 1)
+    {
+        if (t4 == 0)
+        {
+            sRed[warp * 16 + g] = lRun[0];
+            sRed[warp * 16 + g + 8] = lRun[1];
+        }
+        __syncthreads();
+        float total[2] = {0.0F, 0.0F};
+        for (int32_t w = 0; w < a.warpsR; ++w)
+        {
+            total[0] += sRed[(w * a.warpsM + wm) * 16 + g];
+            total[1] += sRed[(w * a.warpsM + wm) * 16 + g + 8];
+        }
+        lRun[0] = total[0];
+        lRun[1] = total[1];
+    }
+
+#pragma unroll
+    for (int32_t j = 0; j < NT; ++j)
+    {
+#pragma unroll
+        for (int32_t i = 0; i < 4; ++i)
+        {
+            int32_t const col = colBase + j * 8 + 2 * t4 + (i & 1);
+            int32_t const m = row0 + wm * 16 + g + 8 * (i >> 1);
+            if (col < a.rank && m < a.rows)
+            {
+                int64_t const row = b * a.rows + m;
+                if (a.splits == 1)
+                {
+                    a.out[row * a.rank + col] = fromFloat<T>(o[j][i] / lRun[i >> 1]);
+                }
+                else
+                {
+                    a.partAcc[(row * a.splits + split) * a.rank + col] = o[j][i];
+                }
+            }
+        }
+    }
+    if (a.splits > 1 && wr == 0 && t4 == 0)
+    {
+#pragma unroll
+        for (int32_t r = 0; r < 2; ++r)
+        {
+            int32_t const m = row0 + wm * 16 + g + 8 * r;
+            if (m < a.rows)
+            {
+                int64_t const idx = (b * a.rows + m) * a.splits + split;
+                a.partMax[idx] = mRun[r];
+                a.partSum[idx] = lRun[r];
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// CUDA-core path
+
+//! Row stride in shared memory: a multiple of 4 elements whose count of 4-element groups is odd, so the vector
+//! loads of 32 lanes reading 32 different rows hit distinct banks.
+inline int32_t paddedDim(int32_t dim)
+{
+    int32_t dp = static_cast<int32_t>(ceilDiv(dim, 4) * 4);
+    if ((dp / 4) % 2 == 0)
+    {
+        dp += 4;
+    }
+    return dp;
+}
+
+//! Stages `nRows` rows of `dim` elements from a contiguous global block into float32 shared rows of stride `dp`;
+//! rows >= validRows are zero-filled.
 template <typename T>
 __device__ void stageRows(float* dst, T const* src, int32_t nRows, int32_t validRows, int32_t dim, int32_t dp)
 {
@@ -145,15 +550,15 @@ __device__ void stageRows(float* dst, T const* src, int32_t nRows, int32_t valid
 }
 
 template <typename T, int32_t RPL>
-__global__ void __launch_bounds__(kMaxRowsPerBlock / kRowsPerWarp * 32) latentSplitKernel(T const* __restrict__ q,
-    T const* __restrict__ latent, int64_t const* __restrict__ qPos, int64_t const* __restrict__ latPos, int32_t rows,
-    int32_t queries, int32_t slots, int32_t dim, int32_t dp, int32_t rank, float scale, int32_t rowsPerBlock,
-    int32_t tilesPerSplit, int32_t splits, float* __restrict__ logits, float* __restrict__ partMax,
-    float* __restrict__ partSum, float* __restrict__ partAcc)
+__global__ void __launch_bounds__(kSimtMaxRowsPerBlock / kSimtRowsPerWarp * 32) latentSimtKernel(
+    T const* __restrict__ q, T const* __restrict__ latent, int64_t const* __restrict__ qPos,
+    int64_t const* __restrict__ latPos, int32_t rows, int32_t queries, int32_t slots, int32_t dim, int32_t dp,
+    int32_t rank, float scale, int32_t rowsPerBlock, int32_t tilesPerSplit, int32_t splits,
+    float* __restrict__ partMax, float* __restrict__ partSum, float* __restrict__ partAcc)
 {
     extern __shared__ __align__(16) unsigned char smemRaw[];
     float* sQ = reinterpret_cast<float*>(smemRaw); // (rowsPerBlock, dp) float32
-    float* sTile = sQ + rowsPerBlock * dp;         // (kTileSlots, dp) float32
+    float* sTile = sQ + rowsPerBlock * dp;         // (kSimtTileSlots, dp) float32
 
     int32_t const split = blockIdx.x;
     int32_t const row0 = blockIdx.y * rowsPerBlock;
@@ -161,19 +566,18 @@ __global__ void __launch_bounds__(kMaxRowsPerBlock / kRowsPerWarp * 32) latentSp
     int32_t const warp = threadIdx.x / 32;
     int32_t const lane = threadIdx.x % 32;
 
-    // queries of this block, once
     int32_t const blockRows = min(rowsPerBlock, rows - row0);
     stageRows(sQ, q + (b * rows + row0) * dim, rowsPerBlock, blockRows, dim, dp);
 
-    int64_t qp[kRowsPerWarp];
-    bool rowValid[kRowsPerWarp];
-    float runMax[kRowsPerWarp];
-    float runSum[kRowsPerWarp];
-    float acc[kRowsPerWarp][RPL];
+    int64_t qp[kSimtRowsPerWarp];
+    bool rowValid[kSimtRowsPerWarp];
+    float runMax[kSimtRowsPerWarp];
+    float runSum[kSimtRowsPerWarp];
+    float acc[kSimtRowsPerWarp][RPL];
 #pragma unroll
-    for (int32_t r = 0; r < kRowsPerWarp; ++r)
+    for (int32_t r = 0; r < kSimtRowsPerWarp; ++r)
     {
-        int32_t const local = warp * kRowsPerWarp + r;
+        int32_t const local = warp * kSimtRowsPerWarp + r;
         int32_t const m = row0 + local;
         rowValid[r] = local < rowsPerBlock && m < rows;
         qp[r] = rowValid[r] ? qPos[b * queries + m % queries] : -1;
@@ -186,7 +590,7 @@ __global__ void __launch_bounds__(kMaxRowsPerBlock / kRowsPerWarp * 32) latentSp
         }
     }
 
-    int32_t const tiles = static_cast<int32_t>(ceilDiv(slots, kTileSlots));
+    int32_t const tiles = static_cast<int32_t>(ceilDiv(slots, kSimtTileSlots));
     int32_t const tileBegin = split * tilesPerSplit;
     int32_t const tileEnd = min(tiles, tileBegin + tilesPerSplit);
     int32_t const dim4 = dim & ~3;
@@ -194,29 +598,29 @@ __global__ void __launch_bounds__(kMaxRowsPerBlock / kRowsPerWarp * 32) latentSp
 
     for (int32_t tile = tileBegin; tile < tileEnd; ++tile)
     {
-        int32_t const s0 = tile * kTileSlots;
-        int32_t const nValid = min(kTileSlots, slots - s0);
+        int32_t const s0 = tile * kSimtTileSlots;
+        int32_t const nValid = min(kSimtTileSlots, slots - s0);
         __syncthreads(); // previous tile fully consumed (and sQ staged on the first pass)
-        stageRows(sTile, latB + static_cast<int64_t>(s0) * dim, kTileSlots, nValid, dim, dp);
+        stageRows(sTile, latB + static_cast<int64_t>(s0) * dim, kSimtTileSlots, nValid, dim, dp);
         __syncthreads();
 
         // logits: lane = slot
         int32_t const slot = s0 + lane;
         bool const inRange = lane < nValid;
         int64_t const lp = inRange ? latPos[b * slots + slot] : -1;
-        float dot[kRowsPerWarp];
+        float dot[kSimtRowsPerWarp];
 #pragma unroll
-        for (int32_t r = 0; r < kRowsPerWarp; ++r)
+        for (int32_t r = 0; r < kSimtRowsPerWarp; ++r)
         {
             dot[r] = 0.0F;
         }
         float const* myRow = sTile + lane * dp;
-        float const* qRows = sQ + warp * kRowsPerWarp * dp;
+        float const* qRows = sQ + warp * kSimtRowsPerWarp * dp;
         for (int32_t d = 0; d < dim4; d += 4)
         {
             float4 const t = load4(myRow + d);
 #pragma unroll
-            for (int32_t r = 0; r < kRowsPerWarp; ++r)
+            for (int32_t r = 0; r < kSimtRowsPerWarp; ++r)
             {
                 float4 const qv = load4(qRows + r * dp + d);
                 dot[r] = fmaf(qv.x, t.x, fmaf(qv.y, t.y, fmaf(qv.z, t.z, fmaf(qv.w, t.w, dot[r]))));
@@ -226,22 +630,18 @@ __global__ void __launch_bounds__(kMaxRowsPerBlock / kRowsPerWarp * 32) latentSp
         {
             float const t = myRow[d];
 #pragma unroll
-            for (int32_t r = 0; r < kRowsPerWarp; ++r)
+            for (int32_t r = 0; r < kSimtRowsPerWarp; ++r)
             {
                 dot[r] = fmaf(qRows[r * dp + d], t, dot[r]);
             }
         }
 
-        float p[kRowsPerWarp];
+        float p[kSimtRowsPerWarp];
 #pragma unroll
-        for (int32_t r = 0; r < kRowsPerWarp; ++r)
+        for (int32_t r = 0; r < kSimtRowsPerWarp; ++r)
         {
             bool const visible = inRange && lp >= 0 && lp <= qp[r];
             float const logit = visible ? dot[r] * scale : -FLT_MAX;
-            if (rowValid[r] && inRange)
-            {
-                logits[(b * rows + row0 + warp * kRowsPerWarp + r) * slots + slot] = logit;
-            }
             float const tileMax = warpMax(inRange ? logit : -INFINITY);
             float const newMax = fmaxf(runMax[r], tileMax);
             float const corr = expf(runMax[r] - newMax); // 0 on the first tile (runMax = -inf)
@@ -266,7 +666,7 @@ __global__ void __launch_bounds__(kMaxRowsPerBlock / kRowsPerWarp * 32) latentSp
                 tv[i] = c < rank ? sTile[j * dp + c] : 0.0F;
             }
 #pragma unroll
-            for (int32_t r = 0; r < kRowsPerWarp; ++r)
+            for (int32_t r = 0; r < kSimtRowsPerWarp; ++r)
             {
                 float const pj = __shfl_sync(kFullMask, p[r], j);
 #pragma unroll
@@ -279,13 +679,13 @@ __global__ void __launch_bounds__(kMaxRowsPerBlock / kRowsPerWarp * 32) latentSp
     }
 
 #pragma unroll
-    for (int32_t r = 0; r < kRowsPerWarp; ++r)
+    for (int32_t r = 0; r < kSimtRowsPerWarp; ++r)
     {
         if (!rowValid[r])
         {
             continue;
         }
-        int64_t const idx = (b * rows + row0 + warp * kRowsPerWarp + r) * splits + split;
+        int64_t const idx = (b * rows + row0 + warp * kSimtRowsPerWarp + r) * splits + split;
         if (lane == 0)
         {
             partMax[idx] = runMax[r];
@@ -302,6 +702,9 @@ __global__ void __launch_bounds__(kMaxRowsPerBlock / kRowsPerWarp * 32) latentSp
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Combine
 
 __device__ float blockReduce(float x, bool isMax, float* scratch)
 {
@@ -326,9 +729,9 @@ __device__ float blockReduce(float x, bool isMax, float* scratch)
 template <typename T>
 __global__ void __launch_bounds__(kCombineThreads) latentCombineKernel(float const* __restrict__ partMax,
     float const* __restrict__ partSum, float const* __restrict__ partAcc, int32_t splits, int32_t rank,
-    T* __restrict__ out, float* __restrict__ rowMax, float* __restrict__ rowSum)
+    T* __restrict__ out)
 {
-    extern __shared__ float weights[]; // (splits,)
+    __shared__ float weights[kMaxSplits];
     __shared__ float scratch[32];
     int64_t const row = blockIdx.x;
     float const* pm = partMax + row * splits;
@@ -358,153 +761,372 @@ __global__ void __launch_bounds__(kCombineThreads) latentCombineKernel(float con
         }
         out[row * rank + c] = fromFloat<T>(a * inv);
     }
-    if (threadIdx.x == 0)
-    {
-        rowMax[row] = gmax;
-        rowSum[row] = total;
-    }
 }
 
-__global__ void __launch_bounds__(kMassThreads) latentMassKernel(float const* __restrict__ logits,
-    float const* __restrict__ rowMax, float const* __restrict__ rowSum, int32_t rows, int32_t slots,
-    float* __restrict__ attnMass)
+// ---------------------------------------------------------------------------------------------------------------
+// Planning
+
+//! One kernel configuration, before the split count is chosen.
+struct Config
 {
-    int64_t const b = blockIdx.y;
-    int32_t const j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= slots)
-    {
-        return;
-    }
-    float mass = 0.0F;
-    for (int32_t m = 0; m < rows; ++m)
-    {
-        int64_t const row = b * rows + m;
-        mass += expf(logits[row * slots + j] - rowMax[row]) / rowSum[row];
-    }
-    attnMass[b * slots + j] = mass;
-}
+    LatentAttentionPath path;
+    int32_t rowsPerBlock;
+    int32_t tileSlots;
+    int32_t threads;
+    int32_t smem;
+    int32_t nt;  // MMA: output n-tiles per warp; SIMT: rows-per-lane template (RPL)
+    int32_t sw;  // MMA: slots per warp per tile
+    int32_t warpsM;
+    int32_t warpsR;
+    int32_t vec; // MMA: cp.async chunk bytes
+    int32_t dk;
+    int32_t ld;
+    int32_t ldp;
+    int32_t dp;  // SIMT: float row stride
+};
 
-template <typename T, int32_t RPL>
-cudaError_t launchTyped(LatentAttentionParams const& p, cudaStream_t stream)
+int32_t mmaVecBytes(int32_t dim, int32_t elemSize, void const* latent)
 {
-    int32_t const rows = p.heads * p.queries;
-    int32_t const dp = paddedDim(p.dim);
-
-    int32_t device = 0;
-    cudaError_t e = cudaGetDevice(&device);
-    int32_t smCount = 0;
-    int32_t smemOptin = 0;
-    if (e == cudaSuccess)
+    for (int32_t v : {16, 8, 4})
     {
-        e = cudaDeviceGetAttribute(&smCount, cudaDevAttrMultiProcessorCount, device);
-    }
-    if (e == cudaSuccess)
-    {
-        e = cudaDeviceGetAttribute(&smemOptin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    }
-    if (e != cudaSuccess)
-    {
-        return e;
-    }
-
-    // rows per block: all rows of a decode step when shared memory allows, else fewer (more query groups)
-    int32_t rowsPerBlock = static_cast<int32_t>(std::min<int64_t>(kMaxRowsPerBlock, ceilDiv(rows, kRowsPerWarp) * kRowsPerWarp));
-    auto smemFor = [&](int32_t rpb) { return static_cast<size_t>(rpb + kTileSlots) * dp * sizeof(float); };
-    while (rowsPerBlock > kRowsPerWarp && smemFor(rowsPerBlock) > static_cast<size_t>(smemOptin))
-    {
-        rowsPerBlock = std::max(kRowsPerWarp, rowsPerBlock / 2 / kRowsPerWarp * kRowsPerWarp);
-    }
-    size_t const smem = smemFor(rowsPerBlock);
-    if (smem > static_cast<size_t>(smemOptin))
-    {
-        return cudaErrorInvalidValue; // latent too wide for shared memory
-    }
-
-    int32_t const groups = static_cast<int32_t>(ceilDiv(rows, rowsPerBlock));
-    int32_t const tiles = static_cast<int32_t>(ceilDiv(p.slots, kTileSlots));
-    int32_t splits = std::min(numSplits(p.batch, rows, p.slots, rowsPerBlock, 4LL * smCount),
-        maxSplits(p.batch, rows, p.slots));
-    int32_t const tilesPerSplit = static_cast<int32_t>(ceilDiv(tiles, splits));
-    splits = static_cast<int32_t>(ceilDiv(tiles, tilesPerSplit));
-
-    WorkspaceLayout const w = workspaceLayout(p.batch, rows, p.slots, p.rank);
-    if (p.workspace == nullptr || p.workspaceSize < w.total)
-    {
-        return cudaErrorInvalidValue;
-    }
-    auto* ws = static_cast<unsigned char*>(p.workspace);
-    auto* logits = reinterpret_cast<float*>(ws + w.logits);
-    auto* partMax = reinterpret_cast<float*>(ws + w.partMax);
-    auto* partSum = reinterpret_cast<float*>(ws + w.partSum);
-    auto* partAcc = reinterpret_cast<float*>(ws + w.partAcc);
-    auto* rowMax = reinterpret_cast<float*>(ws + w.rowMax);
-    auto* rowSum = reinterpret_cast<float*>(ws + w.rowSum);
-
-    auto split = latentSplitKernel<T, RPL>;
-    if (smem > 48 * 1024)
-    {
-        e = cudaFuncSetAttribute(split, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-        if (e != cudaSuccess)
+        if ((dim * elemSize) % v == 0 && reinterpret_cast<uintptr_t>(latent) % static_cast<uintptr_t>(v) == 0)
         {
-            return e;
+            return v;
         }
     }
-    dim3 const grid(splits, groups, p.batch);
-    int32_t const threads = rowsPerBlock / kRowsPerWarp * 32;
-    split<<<grid, threads, smem, stream>>>(static_cast<T const*>(p.q), static_cast<T const*>(p.latent),
-        p.qPositions, p.latentPositions, rows, p.queries, p.slots, p.dim, dp, p.rank, p.scale, rowsPerBlock,
-        tilesPerSplit, splits, logits, partMax, partSum, partAcc);
-    e = cudaGetLastError();
-    if (e != cudaSuccess)
+    return 0;
+}
+
+bool mmaConfig(LatentAttentionParams const& p, KvxDeviceInfo const& dev, Config& c)
+{
+    if (p.dataType == static_cast<int32_t>(KvxDType::kFLOAT32) || dev.ccMajor < 8)
     {
-        return e;
+        return false;
     }
-    latentCombineKernel<T><<<static_cast<unsigned int>(static_cast<int64_t>(p.batch) * rows), kCombineThreads,
-        splits * sizeof(float), stream>>>(partMax, partSum, partAcc, splits, p.rank, static_cast<T*>(p.out),
-        rowMax, rowSum);
-    e = cudaGetLastError();
-    if (e != cudaSuccess)
+    int32_t const vec = mmaVecBytes(p.dim, 2, p.latent);
+    if (vec == 0)
     {
-        return e;
+        return false;
     }
-    dim3 const massGrid(static_cast<unsigned int>(ceilDiv(p.slots, kMassThreads)), p.batch);
-    latentMassKernel<<<massGrid, kMassThreads, 0, stream>>>(logits, rowMax, rowSum, rows, p.slots, p.attnMass);
+    int32_t const nt = p.rank <= 64 ? 8 : (p.rank <= 128 ? 16 : 32);
+    int32_t const warpsR = static_cast<int32_t>(ceilDiv(p.rank, 8 * nt));
+    int32_t const dk = static_cast<int32_t>(ceilDiv(p.dim, 16) * 16);
+    int32_t const ld = dk + 8;
+    int64_t const rows = static_cast<int64_t>(p.heads) * p.queries;
+    int32_t const wantM = static_cast<int32_t>(std::min<int64_t>(kLargestRowTile / 16, ceilDiv(rows, 16)));
+    int32_t const sws32[] = {32, 16};
+    int32_t const sws[] = {64, 16};
+    for (int32_t warpsM = wantM; warpsM >= 1; --warpsM)
+    {
+        int32_t const* cand = warpsR > 1 ? sws32 + 1 : (nt == 32 ? sws32 : sws);
+        int32_t const nCand = warpsR > 1 ? 1 : 2;
+        for (int32_t i = 0; i < nCand; ++i)
+        {
+            int32_t const sw = cand[i];
+            int32_t const n = sw * warpsR;
+            int32_t const ldp = n + 8;
+            int32_t const smem = mmaSmem(16 * warpsM, n, ld, ldp, warpsM * warpsR).total;
+            if (smem <= dev.smemPerBlockOptin)
+            {
+                c = Config{LatentAttentionPath::kMma, 16 * warpsM, n, 32 * warpsM * warpsR, smem, nt, sw, warpsM,
+                    warpsR, vec, dk, ld, ldp, 0};
+                return true;
+            }
+        }
+    }
+    return false;
+}
+
+bool simtConfig(LatentAttentionParams const& p, KvxDeviceInfo const& dev, Config& c)
+{
+    int64_t const rows = static_cast<int64_t>(p.heads) * p.queries;
+    int32_t const dp = paddedDim(p.dim);
+    int32_t rpb = static_cast<int32_t>(
+        std::min<int64_t>(kSimtMaxRowsPerBlock, ceilDiv(rows, kSimtRowsPerWarp) * kSimtRowsPerWarp));
+    auto smemFor = [&](int32_t r) { return static_cast<int64_t>(r + kSimtTileSlots) * dp * 4; };
+    while (rpb > kSimtRowsPerWarp && smemFor(rpb) > dev.smemPerBlockOptin)
+    {
+        rpb = std::max(kSimtRowsPerWarp, rpb / 2 / kSimtRowsPerWarp * kSimtRowsPerWarp);
+    }
+    if (smemFor(rpb) > dev.smemPerBlockOptin)
+    {
+        return false; // latent too wide for shared memory
+    }
+    int32_t const rpl = p.rank <= 64 ? 2 : (p.rank <= 128 ? 4 : (p.rank <= 256 ? 8 : 16));
+    c = Config{LatentAttentionPath::kSimt, rpb, kSimtTileSlots, rpb / kSimtRowsPerWarp * 32,
+        static_cast<int32_t>(smemFor(rpb)), rpl, 0, 0, 0, 0, 0, 0, 0, dp};
+    return true;
+}
+
+//! Chooses the split count of `c` (see the file comment) and fills the plan.
+LatentAttentionPlan chooseSplits(LatentAttentionParams const& p, KvxDeviceInfo const& dev, Config const& c)
+{
+    int64_t const es = p.dataType == static_cast<int32_t>(KvxDType::kFLOAT32) ? 4 : 2;
+    int64_t const rows = static_cast<int64_t>(p.heads) * p.queries;
+    int64_t const rowTiles = ceilDiv(rows, c.rowsPerBlock);
+    int64_t const tiles = ceilDiv(p.slots, c.tileSlots);
+    bool const tensor = c.path == LatentAttentionPath::kMma;
+
+    double const clock = dev.clockKHz > 0 ? dev.clockKHz * 1e3 : 1.4e9;
+    double const bw = dev.memClockKHz > 0 && dev.memBusWidth > 0 ? 2.0 * dev.memClockKHz * 1e3 * dev.memBusWidth / 8
+                                                                 : 1.0e12;
+    int32_t const cc = dev.ccMajor * 10 + dev.ccMinor;
+    bool const halfRateTensor = cc == 86 || cc == 89 || dev.ccMajor == 12; // consumer parts: fp32-accumulate at 1/2
+    double const fmaPerClk = tensor ? (halfRateTensor ? 512.0 : 1024.0) : (cc == 80 ? 64.0 : 128.0);
+    double const smFlops = 2.0 * fmaPerClk * clock;
+    double const smBw = 64.0 * clock; // bytes per clock one SM can pull from L2
+    int32_t const sms = std::max(1, dev.smCount);
+    int32_t const bySmem = std::max(1, dev.smemPerSM / std::max(1, c.smem + 1024));
+    int32_t const byRegs = tensor && c.nt == 32 ? 1 : 2;
+    int32_t const perSM = std::max(1, std::min({bySmem, 2048 / c.threads, byRegs}));
+    int64_t const concurrent = static_cast<int64_t>(sms) * perSM;
+    double const bytesPerSlot = static_cast<double>(p.dim * es + 8);
+    double const kExtent = tensor ? c.dk + ceilDiv(p.rank, 16) * 16 : p.dim + p.rank;
+    double const flopsPerSlot = 2.0 * c.rowsPerBlock * kExtent;
+    double const l2 = dev.l2Bytes > 0 ? dev.l2Bytes : 4.0 * 1024 * 1024;
+
+    int64_t const maxSplits = std::max<int64_t>(1,
+        std::min<int64_t>({tiles, kMaxSplits, std::max<int64_t>(1, kMaxSplitBlocks / (p.batch * rowTiles))}));
+    struct Choice
+    {
+        int32_t splits;
+        double seconds;
+        double partial;
+    };
+    std::vector<Choice> choices;
+    for (int64_t s = 1; s <= maxSplits; ++s)
+    {
+        int64_t const perSplit = ceilDiv(tiles, s);
+        if (ceilDiv(tiles, perSplit) != s)
+        {
+            continue; // the same ranges as a smaller count
+        }
+        int64_t const blocks = p.batch * rowTiles * s;
+        int64_t const waves = ceilDiv(blocks, concurrent);
+        int64_t const waveBlocks = std::min(blocks, concurrent);
+        double const activeSMs = std::min<double>(sms, static_cast<double>(ceilDiv(waveBlocks, perSM)));
+        double const blockBytes = static_cast<double>(perSplit * c.tileSlots) * bytesPerSlot;
+        double const blockFlops = static_cast<double>(perSplit * c.tileSlots) * flopsPerSlot;
+        double const share = static_cast<double>(std::min<int64_t>(waveBlocks, perSM)); // blocks sharing an SM
+        double const tMem = std::max(waveBlocks * blockBytes / static_cast<double>(rowTiles) / bw,
+            blockBytes * share / smBw);
+        double const tMath = waveBlocks * blockFlops / (activeSMs * smFlops);
+        bool const combine = s > 1 || !tensor; // the CUDA-core path always writes partials
+        double const partial = combine ? static_cast<double>(p.batch * rows * s) * (p.rank + 2) * 4.0 * 2.0 : 0.0;
+        double const tPartial = combine ? partial / (partial / 2 <= l2 ? 2.5 * bw : bw) + 3e-6 : 0.0;
+        double const tTiles = static_cast<double>(perSplit) * 2e-7; // per-tile barrier / pipeline latency
+        choices.push_back({static_cast<int32_t>(s), waves * std::max(tMem, tMath) + tTiles + tPartial, partial});
+    }
+    double best = choices.front().seconds;
+    for (Choice const& ch : choices)
+    {
+        best = std::min(best, ch.seconds);
+    }
+    Choice pick = choices.front();
+    bool found = false;
+    for (Choice const& ch : choices)
+    {
+        if (ch.seconds <= best * 1.03 && (!found || ch.partial < pick.partial))
+        {
+            pick = ch;
+            found = true;
+        }
+    }
+    int64_t const perSplit = ceilDiv(tiles, pick.splits);
+    LatentAttentionPlan plan{};
+    plan.path = c.path;
+    plan.rowsPerBlock = c.rowsPerBlock;
+    plan.tileSlots = c.tileSlots;
+    plan.threads = c.threads;
+    plan.splits = static_cast<int32_t>(ceilDiv(tiles, perSplit));
+    plan.smemBytes = c.smem;
+    plan.latentBytes = static_cast<double>(p.batch) * p.slots * p.dim * es;
+    plan.partialBytes = pick.partial;
+    plan.modelSeconds = pick.seconds;
+    return plan;
+}
+
+bool configFor(LatentAttentionParams const& p, KvxDeviceInfo const& dev, Config& c)
+{
+    return mmaConfig(p, dev, c) || simtConfig(p, dev, c);
+}
+
+template <typename T, int32_t NT, int32_t SW>
+cudaError_t launchMma(LatentAttentionParams const& p, Config const& c, LatentAttentionPlan const& plan,
+    WorkspaceLayout const& w, cudaStream_t stream)
+{
+    auto* ws = static_cast<unsigned char*>(p.workspace);
+    MmaArgs<T> a{};
+    a.q = static_cast<T const*>(p.q);
+    a.latent = static_cast<T const*>(p.latent);
+    a.qPos = p.qPositions;
+    a.latPos = p.latentPositions;
+    a.rows = p.heads * p.queries;
+    a.queries = p.queries;
+    a.slots = p.slots;
+    a.dim = p.dim;
+    a.dk = c.dk;
+    a.ld = c.ld;
+    a.ldp = c.ldp;
+    a.rank = p.rank;
+    a.warpsM = c.warpsM;
+    a.warpsR = c.warpsR;
+    a.tileSlots = c.tileSlots;
+    int32_t const tiles = static_cast<int32_t>(ceilDiv(p.slots, c.tileSlots));
+    a.tilesPerSplit = static_cast<int32_t>(ceilDiv(tiles, plan.splits));
+    a.splits = plan.splits;
+    a.vec = c.vec;
+    a.scale = p.scale;
+    a.out = static_cast<T*>(p.out);
+    if (plan.splits > 1)
+    {
+        a.partAcc = reinterpret_cast<float*>(ws + w.acc);
+        a.partMax = reinterpret_cast<float*>(ws + w.max);
+        a.partSum = reinterpret_cast<float*>(ws + w.sum);
+    }
+    dim3 const grid(static_cast<unsigned int>(ceilDiv(a.rows, c.rowsPerBlock)), plan.splits, p.batch);
+    latentMmaKernel<T, NT, SW><<<grid, c.threads, c.smem, stream>>>(a);
     return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t launchRank(LatentAttentionParams const& p, cudaStream_t stream)
+cudaError_t dispatchMma(LatentAttentionParams const& p, Config const& c, LatentAttentionPlan const& plan,
+    WorkspaceLayout const& w, cudaStream_t stream)
 {
-    if (p.rank <= 64)
+    if (c.nt == 8)
     {
-        return launchTyped<T, 2>(p, stream);
+        return c.sw == 64 ? launchMma<T, 8, 64>(p, c, plan, w, stream) : launchMma<T, 8, 16>(p, c, plan, w, stream);
     }
-    if (p.rank <= 128)
+    if (c.nt == 16)
     {
-        return launchTyped<T, 4>(p, stream);
+        return c.sw == 64 ? launchMma<T, 16, 64>(p, c, plan, w, stream) : launchMma<T, 16, 16>(p, c, plan, w, stream);
     }
-    if (p.rank <= 256)
+    return c.sw == 32 ? launchMma<T, 32, 32>(p, c, plan, w, stream) : launchMma<T, 32, 16>(p, c, plan, w, stream);
+}
+
+template <typename T, int32_t RPL>
+cudaError_t launchSimt(LatentAttentionParams const& p, Config const& c, LatentAttentionPlan const& plan,
+    WorkspaceLayout const& w, cudaStream_t stream)
+{
+    auto* ws = static_cast<unsigned char*>(p.workspace);
+    int32_t const rows = p.heads * p.queries;
+    int32_t const tiles = static_cast<int32_t>(ceilDiv(p.slots, kSimtTileSlots));
+    int32_t const tilesPerSplit = static_cast<int32_t>(ceilDiv(tiles, plan.splits));
+    dim3 const grid(plan.splits, static_cast<unsigned int>(ceilDiv(rows, c.rowsPerBlock)), p.batch);
+    latentSimtKernel<T, RPL><<<grid, c.threads, c.smem, stream>>>(static_cast<T const*>(p.q),
+        static_cast<T const*>(p.latent), p.qPositions, p.latentPositions, rows, p.queries, p.slots, p.dim, c.dp,
+        p.rank, p.scale, c.rowsPerBlock, tilesPerSplit, plan.splits, reinterpret_cast<float*>(ws + w.max),
+        reinterpret_cast<float*>(ws + w.sum), reinterpret_cast<float*>(ws + w.acc));
+    return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t dispatchSimt(LatentAttentionParams const& p, Config const& c, LatentAttentionPlan const& plan,
+    WorkspaceLayout const& w, cudaStream_t stream)
+{
+    switch (c.nt)
     {
-        return launchTyped<T, 8>(p, stream);
+    case 2: return launchSimt<T, 2>(p, c, plan, w, stream);
+    case 4: return launchSimt<T, 4>(p, c, plan, w, stream);
+    case 8: return launchSimt<T, 8>(p, c, plan, w, stream);
+    default: return launchSimt<T, 16>(p, c, plan, w, stream);
     }
-    return launchTyped<T, 16>(p, stream);
+}
+
+template <typename T>
+cudaError_t launchCombine(LatentAttentionParams const& p, LatentAttentionPlan const& plan, WorkspaceLayout const& w,
+    cudaStream_t stream)
+{
+    auto* ws = static_cast<unsigned char*>(p.workspace);
+    auto const rows = static_cast<unsigned int>(static_cast<int64_t>(p.batch) * p.heads * p.queries);
+    latentCombineKernel<T><<<rows, kCombineThreads, 0, stream>>>(reinterpret_cast<float const*>(ws + w.max),
+        reinterpret_cast<float const*>(ws + w.sum), reinterpret_cast<float const*>(ws + w.acc), plan.splits, p.rank,
+        static_cast<T*>(p.out));
+    return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launchTyped(LatentAttentionParams const& p, Config const& c, LatentAttentionPlan const& plan,
+    WorkspaceLayout const& w, cudaStream_t stream)
+{
+    cudaError_t e = cudaSuccess;
+    if constexpr (std::is_same<T, float>::value)
+    {
+        e = dispatchSimt<T>(p, c, plan, w, stream);
+    }
+    else
+    {
+        e = c.path == LatentAttentionPath::kMma ? dispatchMma<T>(p, c, plan, w, stream)
+                                                : dispatchSimt<T>(p, c, plan, w, stream);
+    }
+    if (e != cudaSuccess || (c.path == LatentAttentionPath::kMma && plan.splits == 1))
+    {
+        return e;
+    }
+    return launchCombine<T>(p, plan, w, stream);
+}
+
+bool validParams(LatentAttentionParams const& p)
+{
+    return p.dataType >= 0 && p.dataType <= 2 && p.batch >= 0 && p.heads >= 1 && p.queries >= 1 && p.slots >= 1
+        && p.rank >= 1 && p.rank <= kLatentAttentionMaxRank && p.dim >= p.rank && p.dim <= kLatentAttentionMaxDim
+        && static_cast<int64_t>(p.heads) * p.queries <= 0x7FFFFFFF;
+}
+
+template <typename T>
+cudaError_t setSmemLimits(int32_t bytes)
+{
+    cudaFuncAttribute const a = cudaFuncAttributeMaxDynamicSharedMemorySize;
+    cudaError_t e = cudaFuncSetAttribute(latentSimtKernel<T, 2>, a, bytes);
+    e = e == cudaSuccess ? cudaFuncSetAttribute(latentSimtKernel<T, 4>, a, bytes) : e;
+    e = e == cudaSuccess ? cudaFuncSetAttribute(latentSimtKernel<T, 8>, a, bytes) : e;
+    e = e == cudaSuccess ? cudaFuncSetAttribute(latentSimtKernel<T, 16>, a, bytes) : e;
+    if constexpr (!std::is_same<T, float>::value)
+    {
+        e = e == cudaSuccess ? cudaFuncSetAttribute(latentMmaKernel<T, 8, 64>, a, bytes) : e;
+        e = e == cudaSuccess ? cudaFuncSetAttribute(latentMmaKernel<T, 8, 16>, a, bytes) : e;
+        e = e == cudaSuccess ? cudaFuncSetAttribute(latentMmaKernel<T, 16, 64>, a, bytes) : e;
+        e = e == cudaSuccess ? cudaFuncSetAttribute(latentMmaKernel<T, 16, 16>, a, bytes) : e;
+        e = e == cudaSuccess ? cudaFuncSetAttribute(latentMmaKernel<T, 32, 32>, a, bytes) : e;
+        e = e == cudaSuccess ? cudaFuncSetAttribute(latentMmaKernel<T, 32, 16>, a, bytes) : e;
+    }
+    return e;
 }
 
 } // namespace
 
-size_t latentAttentionWorkspaceSize(int32_t batch, int32_t heads, int32_t queries, int32_t slots, int32_t rank)
+size_t latentAttentionWorkspaceSize(
+    int32_t batch, int32_t heads, int32_t queries, int32_t slots, int32_t dim, int32_t rank)
 {
-    if (batch < 1 || heads < 1 || queries < 1 || slots < 1 || rank < 1)
+    if (batch < 1 || heads < 1 || queries < 1 || slots < 1 || rank < 1 || dim < rank)
     {
         return 0;
     }
-    return workspaceLayout(batch, static_cast<int64_t>(heads) * queries, slots, rank).total;
+    int64_t const rows = static_cast<int64_t>(heads) * queries;
+    return workspaceLayout(batch * rows, splitBound(batch, rows, slots), rank).total;
 }
 
-cudaError_t launchLatentAttention(LatentAttentionParams const& p, cudaStream_t stream)
+LatentAttentionPlan planLatentAttention(LatentAttentionParams const& p, KvxDeviceInfo const& dev)
 {
-    if (p.dataType < 0 || p.dataType > 2 || p.batch < 0 || p.heads < 1 || p.queries < 1 || p.slots < 1
-        || p.rank < 1 || p.rank > kLatentAttentionMaxRank || p.dim < p.rank || p.dim > kLatentAttentionMaxDim)
+    Config c{};
+    if (!validParams(p) || p.batch == 0 || !configFor(p, dev, c))
+    {
+        return LatentAttentionPlan{};
+    }
+    return chooseSplits(p, dev, c);
+}
+
+cudaError_t prepareLatentAttention(KvxDeviceInfo const& dev)
+{
+    int32_t const bytes = dev.smemPerBlockOptin;
+    cudaError_t e = setSmemLimits<float>(bytes);
+    e = e == cudaSuccess ? setSmemLimits<__half>(bytes) : e;
+    return e == cudaSuccess ? setSmemLimits<__nv_bfloat16>(bytes) : e;
+}
+
+cudaError_t launchLatentAttention(LatentAttentionParams const& p, KvxDeviceInfo const& dev, cudaStream_t stream)
+{
+    if (!validParams(p))
     {
         return cudaErrorInvalidValue;
     }
@@ -512,11 +1134,24 @@ cudaError_t launchLatentAttention(LatentAttentionParams const& p, cudaStream_t s
     {
         return cudaSuccess;
     }
+    Config c{};
+    if (!configFor(p, dev, c))
+    {
+        return cudaErrorInvalidValue; // latent too wide for this GPU's shared memory
+    }
+    LatentAttentionPlan const plan = chooseSplits(p, dev, c);
+    int64_t const batchRows = static_cast<int64_t>(p.batch) * p.heads * p.queries;
+    WorkspaceLayout const w = workspaceLayout(batchRows, plan.splits, p.rank);
+    bool const needsWorkspace = c.path == LatentAttentionPath::kSimt || plan.splits > 1;
+    if (needsWorkspace && (p.workspace == nullptr || p.workspaceSize < w.total))
+    {
+        return cudaErrorInvalidValue;
+    }
     switch (static_cast<KvxDType>(p.dataType))
     {
-    case KvxDType::kFLOAT32: return launchRank<float>(p, stream);
-    case KvxDType::kFLOAT16: return launchRank<__half>(p, stream);
-    case KvxDType::kBFLOAT16: return launchRank<__nv_bfloat16>(p, stream);
+    case KvxDType::kFLOAT32: return launchTyped<float>(p, c, plan, w, stream);
+    case KvxDType::kFLOAT16: return launchTyped<__half>(p, c, plan, w, stream);
+    case KvxDType::kBFLOAT16: return launchTyped<__nv_bfloat16>(p, c, plan, w, stream);
     }
     return cudaErrorInvalidValue;
 }
@@ -525,18 +1160,58 @@ cudaError_t launchLatentAttention(LatentAttentionParams const& p, cudaStream_t s
 
 extern "C" KVX_API int32_t kvx_latent_attention(int32_t dataType, void const* q, void const* latent,
     int64_t const* qPositions, int64_t const* latentPositions, int32_t batch, int32_t heads, int32_t queries,
-    int32_t slots, int32_t dim, int32_t rank, float scale, void* out, float* attnMass, void* workspace,
-    size_t workspaceSize, cudaStream_t stream)
+    int32_t slots, int32_t dim, int32_t rank, float scale, void* out, void* workspace, size_t workspaceSize,
+    KvxDeviceInfo const* dev, cudaStream_t stream)
 {
+    if (dev == nullptr)
+    {
+        return static_cast<int32_t>(cudaErrorInvalidValue);
+    }
     kvexport::LatentAttentionParams p{dataType, q, latent, qPositions, latentPositions, batch, heads, queries, slots,
-        dim, rank, scale, out, attnMass, workspace, workspaceSize};
-    return static_cast<int32_t>(kvexport::launchLatentAttention(p, stream));
+        dim, rank, scale, out, workspace, workspaceSize};
+    return static_cast<int32_t>(kvexport::launchLatentAttention(p, *dev, stream));
 }
 
 extern "C" KVX_API size_t kvx_latent_attention_workspace_size(
-    int32_t batch, int32_t heads, int32_t queries, int32_t slots, int32_t rank)
+    int32_t batch, int32_t heads, int32_t queries, int32_t slots, int32_t dim, int32_t rank)
 {
-    return kvexport::latentAttentionWorkspaceSize(batch, heads, queries, slots, rank);
+    return kvexport::latentAttentionWorkspaceSize(batch, heads, queries, slots, dim, rank);
+}
+
+extern "C" KVX_API int32_t kvx_latent_attention_plan(int32_t dataType, int32_t batch, int32_t heads, int32_t queries,
+    int32_t slots, int32_t dim, int32_t rank, KvxDeviceInfo const* dev, int32_t* plan, double* bytes)
+{
+    if (dev == nullptr || plan == nullptr || bytes == nullptr)
+    {
+        return static_cast<int32_t>(cudaErrorInvalidValue);
+    }
+    kvexport::LatentAttentionParams p{dataType, nullptr, nullptr, nullptr, nullptr, batch, heads, queries, slots, dim,
+        rank, 1.0F, nullptr, nullptr, 0};
+    kvexport::LatentAttentionPlan const r = kvexport::planLatentAttention(p, *dev);
+    plan[0] = static_cast<int32_t>(r.path);
+    plan[1] = r.rowsPerBlock;
+    plan[2] = r.tileSlots;
+    plan[3] = r.threads;
+    plan[4] = r.splits;
+    plan[5] = r.smemBytes;
+    bytes[0] = r.latentBytes;
+    bytes[1] = r.partialBytes;
+    bytes[2] = r.modelSeconds;
+    return r.splits > 0 ? 0 : static_cast<int32_t>(cudaErrorInvalidValue);
+}
+
+extern "C" KVX_API int32_t kvx_query_device(KvxDeviceInfo* dev)
+{
+    if (dev == nullptr)
+    {
+        return static_cast<int32_t>(cudaErrorInvalidValue);
+    }
+    cudaError_t e = kvexport::queryDevice(*dev);
+    if (e == cudaSuccess)
+    {
+        e = kvexport::prepareLatentAttention(*dev);
+    }
+    return static_cast<int32_t>(e);
 }
 
 extern "C" KVX_API int32_t kvx_abi_version()

@@ -34,6 +34,13 @@ LatentAttentionPlugin::LatentAttentionPlugin(int32_t rank, float scale)
     require(std::isfinite(scale) && scale > 0.0F, "attribute scale must be a positive finite float");
 }
 
+LatentAttentionPlugin::LatentAttentionPlugin(LatentAttentionPlugin const& other)
+    : mRank(other.mRank)
+    , mScale(other.mScale)
+{
+    // a clone (attachToContext: another execution context, maybe another device) queries its device again
+}
+
 IPluginCapability* LatentAttentionPlugin::getCapabilityInterface(PluginCapabilityType type) noexcept
 {
     switch (type)
@@ -83,9 +90,8 @@ int32_t LatentAttentionPlugin::getOutputDataTypes(
 {
     try
     {
-        require(nbInputs == kNB_INPUTS && nbOutputs == kNB_OUTPUTS, "LatentAttention takes 4 inputs, has 2 outputs");
+        require(nbInputs == kNB_INPUTS && nbOutputs == kNB_OUTPUTS, "LatentAttention takes 4 inputs, has 1 output");
         outputTypes[kOUT_OUT] = inputTypes[kIN_Q];
-        outputTypes[kOUT_ATTN_MASS] = DataType::kFLOAT;
         return 0;
     }
     catch (std::exception const& e)
@@ -100,7 +106,7 @@ int32_t LatentAttentionPlugin::getOutputShapes(DimsExprs const* inputs, int32_t 
 {
     try
     {
-        require(nbInputs == kNB_INPUTS && nbOutputs == kNB_OUTPUTS, "LatentAttention takes 4 inputs, has 2 outputs");
+        require(nbInputs == kNB_INPUTS && nbOutputs == kNB_OUTPUTS, "LatentAttention takes 4 inputs, has 1 output");
         DimsExprs const& q = inputs[kIN_Q];
         DimsExprs const& latent = inputs[kIN_LATENT];
         require(q.nbDims == 4, "q must be (B, Hq, T, R + Dr)");
@@ -119,9 +125,6 @@ int32_t LatentAttentionPlugin::getOutputShapes(DimsExprs const* inputs, int32_t 
         outputs[kOUT_OUT].d[1] = q.d[1];
         outputs[kOUT_OUT].d[2] = q.d[2];
         outputs[kOUT_OUT].d[3] = exprBuilder.constant(mRank);
-        outputs[kOUT_ATTN_MASS].nbDims = 2;
-        outputs[kOUT_ATTN_MASS].d[0] = latent.d[0];
-        outputs[kOUT_ATTN_MASS].d[1] = latent.d[1];
         return 0;
     }
     catch (std::exception const& e)
@@ -150,7 +153,7 @@ bool LatentAttentionPlugin::supportsFormatCombination(
     case kIN_Q_POSITIONS: return d.type == DataType::kINT64;
     case kIN_LATENT_POSITIONS: return d.type == DataType::kINT64;
     case kNB_INPUTS + kOUT_OUT: return d.type == qType;
-    default: return d.type == DataType::kFLOAT; // attn_mass
+    default: return false;
     }
 }
 
@@ -159,7 +162,7 @@ int32_t LatentAttentionPlugin::configurePlugin(
 {
     try
     {
-        require(nbInputs == kNB_INPUTS && nbOutputs == kNB_OUTPUTS, "LatentAttention takes 4 inputs, has 2 outputs");
+        require(nbInputs == kNB_INPUTS && nbOutputs == kNB_OUTPUTS, "LatentAttention takes 4 inputs, has 1 output");
         int64_t const d = in[kIN_Q].desc.dims.d[3];
         int64_t const dl = in[kIN_LATENT].desc.dims.d[2];
         require(d < 0 || dl < 0 || d == dl, "q and latent must have the same last dimension R + Dr");
@@ -181,7 +184,7 @@ size_t LatentAttentionPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* in
     Dims const& q = inputs[kIN_Q].max;         // (B, Hq, T, D) at the profile's maximum
     Dims const& latent = inputs[kIN_LATENT].max; // (B, S, D)
     return latentAttentionWorkspaceSize(static_cast<int32_t>(q.d[0]), static_cast<int32_t>(q.d[1]),
-        static_cast<int32_t>(q.d[2]), static_cast<int32_t>(latent.d[1]), mRank);
+        static_cast<int32_t>(q.d[2]), static_cast<int32_t>(latent.d[1]), static_cast<int32_t>(q.d[3]), mRank);
 }
 
 void LatentAttentionPlugin::checkShapes(PluginTensorDesc const* in, int32_t nbInputs) const
@@ -204,6 +207,7 @@ int32_t LatentAttentionPlugin::onShapeChange(
     try
     {
         checkShapes(in, nbInputs);
+        ensureDevice();
         return 0;
     }
     catch (std::exception const& e)
@@ -212,9 +216,25 @@ int32_t LatentAttentionPlugin::onShapeChange(
     }
 }
 
-void LatentAttentionPlugin::doEnqueue(PluginTensorDesc const* inputDesc, void const* const* inputs,
-    void* const* outputs, void* workspace, cudaStream_t stream) const
+void LatentAttentionPlugin::ensureDevice()
 {
+    if (mDeviceReady)
+    {
+        return;
+    }
+    cudaError_t e = queryDevice(mDevice);
+    if (e == cudaSuccess)
+    {
+        e = prepareLatentAttention(mDevice);
+    }
+    require(e == cudaSuccess, std::string("device query failed: ") + cudaGetErrorString(e));
+    mDeviceReady = true;
+}
+
+void LatentAttentionPlugin::doEnqueue(PluginTensorDesc const* inputDesc, void const* const* inputs,
+    void* const* outputs, void* workspace, cudaStream_t stream)
+{
+    ensureDevice(); // normally done by onShapeChange already
     Dims const& q = inputDesc[kIN_Q].dims;
     LatentAttentionParams p{};
     p.dataType = kvxDType(inputDesc[kIN_Q].type);
@@ -230,10 +250,9 @@ void LatentAttentionPlugin::doEnqueue(PluginTensorDesc const* inputDesc, void co
     p.rank = mRank;
     p.scale = mScale;
     p.out = outputs[kOUT_OUT];
-    p.attnMass = static_cast<float*>(outputs[kOUT_ATTN_MASS]);
     p.workspace = workspace;
-    p.workspaceSize = latentAttentionWorkspaceSize(p.batch, p.heads, p.queries, p.slots, p.rank);
-    cudaError_t const e = launchLatentAttention(p, stream);
+    p.workspaceSize = latentAttentionWorkspaceSize(p.batch, p.heads, p.queries, p.slots, p.dim, p.rank);
+    cudaError_t const e = launchLatentAttention(p, mDevice, stream);
     require(e == cudaSuccess, std::string("kernel launch failed: ") + cudaGetErrorString(e));
 }
 

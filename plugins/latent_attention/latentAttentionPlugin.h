@@ -2,6 +2,7 @@
 // TensorRT IPluginV3 implementation of the kvexport LatentAttention op (docs/custom_ops.md).
 #pragma once
 
+#include "../common/kvxDevice.h"
 #include "NvInferRuntime.h"
 
 #include <cstdint>
@@ -25,12 +26,11 @@ public:
     static constexpr int32_t kIN_LATENT_POSITIONS = 3; //!< (B, S) int64
     static constexpr int32_t kNB_INPUTS = 4;
     // outputs
-    static constexpr int32_t kOUT_OUT = 0;       //!< (B, Hq, T, R) as q
-    static constexpr int32_t kOUT_ATTN_MASS = 1; //!< (B, S) float32
-    static constexpr int32_t kNB_OUTPUTS = 2;
+    static constexpr int32_t kOUT_OUT = 0; //!< (B, Hq, T, R) as q
+    static constexpr int32_t kNB_OUTPUTS = 1;
 
     LatentAttentionPlugin(int32_t rank, float scale);
-    LatentAttentionPlugin(LatentAttentionPlugin const&) = default;
+    LatentAttentionPlugin(LatentAttentionPlugin const& other);
     ~LatentAttentionPlugin() override = default;
 
     // IPluginV3
@@ -66,11 +66,15 @@ public:
 
 private:
     void checkShapes(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs) const;
+    //! Queries the device attributes and prepares the kernels, once per plugin instance (runtime phase).
+    void ensureDevice();
     void doEnqueue(nvinfer1::PluginTensorDesc const* inputDesc, void const* const* inputs, void* const* outputs,
-        void* workspace, cudaStream_t stream) const;
+        void* workspace, cudaStream_t stream);
 
     int32_t mRank;
     float mScale;
+    KvxDeviceInfo mDevice{};
+    bool mDeviceReady{false};
     std::vector<nvinfer1::PluginField> mSerialFields;
     nvinfer1::PluginFieldCollection mSerialFc{};
 };

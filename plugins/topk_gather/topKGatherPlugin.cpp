@@ -6,6 +6,7 @@
 #include "../common/pluginUtils.h"
 #include "topKGatherKernel.h"
 
+#include <cstdint>
 #include <exception>
 #include <memory>
 #include <string>
@@ -107,8 +108,6 @@ int32_t TopKGatherPlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbInp
         {
             int64_t const s = scores.d[2]->getConstantValue();
             require(mK <= s, "k = " + std::to_string(mK) + " exceeds the slot count S = " + std::to_string(s));
-            require(s <= kTopKGatherMaxSlots,
-                "S = " + std::to_string(s) + " exceeds the plugin's limit " + std::to_string(kTopKGatherMaxSlots));
         }
         IDimensionExpr const* k = exprBuilder.constant(mK);
         for (int32_t o : {kOUT_KEYS, kOUT_VALUES})
@@ -150,7 +149,7 @@ bool TopKGatherPlugin::supportsFormatCombination(
     DataType const keyType = inOut[kIN_KEYS].desc.type;
     switch (pos)
     {
-    case kIN_SCORES: return isFloatType(d.type);
+    case kIN_SCORES: return d.type == DataType::kFLOAT; // FP32 only: an FP16 score could change which slots are kept
     case kIN_KEYS: return isFloatType(d.type);
     case kIN_VALUES: return d.type == keyType;
     case kIN_POSITIONS: return d.type == DataType::kINT64;
@@ -166,9 +165,9 @@ int32_t TopKGatherPlugin::configurePlugin(
     try
     {
         require(nbInputs == kNB_INPUTS && nbOutputs == kNB_OUTPUTS, "TopKGather takes 4 inputs and has 4 outputs");
-        int64_t const maxSlots = in[kIN_SCORES].max.d[2];
-        require(maxSlots <= kTopKGatherMaxSlots,
-            "S up to " + std::to_string(maxSlots) + " exceeds the plugin's limit " + std::to_string(kTopKGatherMaxSlots));
+        int64_t const minSlots = in[kIN_SCORES].min.d[2];
+        require(minSlots < 0 || mK <= minSlots,
+            "k = " + std::to_string(mK) + " exceeds the smallest slot count S = " + std::to_string(minSlots));
         return 0;
     }
     catch (std::exception const& e)
@@ -177,13 +176,24 @@ int32_t TopKGatherPlugin::configurePlugin(
     }
 }
 
+size_t TopKGatherPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
+    DynamicPluginTensorDesc const* /*outputs*/, int32_t /*nbOutputs*/) const noexcept
+{
+    if (nbInputs != kNB_INPUTS)
+    {
+        return 0;
+    }
+    Dims const& s = inputs[kIN_SCORES].max; // (B, H, S) at the profile's maximum
+    return topKGatherWorkspaceSize(
+        static_cast<int32_t>(s.d[0]), static_cast<int32_t>(s.d[1]), static_cast<int32_t>(s.d[2]));
+}
+
 void TopKGatherPlugin::checkShapes(PluginTensorDesc const* in, int32_t nbInputs) const
 {
     require(nbInputs == kNB_INPUTS, "TopKGather takes 4 inputs");
     Dims const& s = in[kIN_SCORES].dims;
     require(s.nbDims == 3, "scores must be (B, H, S)");
     require(s.d[2] >= mK, "k = " + std::to_string(mK) + " exceeds S = " + std::to_string(s.d[2]));
-    require(s.d[2] <= kTopKGatherMaxSlots, "S = " + std::to_string(s.d[2]) + " exceeds the plugin's limit");
     for (int32_t i : {kIN_KEYS, kIN_VALUES})
     {
         Dims const& x = in[i].dims;
@@ -209,14 +219,14 @@ int32_t TopKGatherPlugin::onShapeChange(
     }
 }
 
-void TopKGatherPlugin::doEnqueue(
-    PluginTensorDesc const* inputDesc, void const* const* inputs, void* const* outputs, cudaStream_t stream) const
+void TopKGatherPlugin::doEnqueue(PluginTensorDesc const* inputDesc, void const* const* inputs, void* const* outputs,
+    void* workspace, cudaStream_t stream) const
 {
     Dims const& s = inputDesc[kIN_SCORES].dims;
+    require(inputDesc[kIN_SCORES].type == DataType::kFLOAT, "scores must be FP32");
     TopKGatherParams p{};
-    p.scoreType = kvxDType(inputDesc[kIN_SCORES].type);
     p.dataType = kvxDType(inputDesc[kIN_KEYS].type);
-    p.scores = inputs[kIN_SCORES];
+    p.scores = static_cast<float const*>(inputs[kIN_SCORES]);
     p.keys = inputs[kIN_KEYS];
     p.values = inputs[kIN_VALUES];
     p.positions = static_cast<int64_t const*>(inputs[kIN_POSITIONS]);
@@ -230,16 +240,18 @@ void TopKGatherPlugin::doEnqueue(
     p.keptValues = outputs[kOUT_VALUES];
     p.keptPositions = static_cast<int64_t*>(outputs[kOUT_POSITIONS]);
     p.keptIndices = static_cast<int64_t*>(outputs[kOUT_INDICES]);
+    p.workspace = workspace;
+    p.workspaceSize = topKGatherWorkspaceSize(p.batch, p.heads, p.slots);
     cudaError_t const e = launchTopKGather(p, stream);
     require(e == cudaSuccess, std::string("kernel launch failed: ") + cudaGetErrorString(e));
 }
 
 int32_t TopKGatherPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const* /*outputDesc*/,
-    void const* const* inputs, void* const* outputs, void* /*workspace*/, cudaStream_t stream) noexcept
+    void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept
 {
     try
     {
-        doEnqueue(inputDesc, inputs, outputs, stream);
+        doEnqueue(inputDesc, inputs, outputs, workspace, stream);
         return 0;
     }
     catch (std::exception const& e)
@@ -304,8 +316,7 @@ int32_t TopKGatherPluginCreator::parseK(PluginFieldCollection const* fc)
         }
     }
     require(k != -1, "attribute k is missing (the number of slots kept, 1 <= k <= S)");
-    require(k >= 1 && k <= kTopKGatherMaxSlots,
-        "attribute k = " + std::to_string(k) + " is outside [1, " + std::to_string(kTopKGatherMaxSlots) + "]");
+    require(k >= 1 && k <= INT32_MAX, "attribute k = " + std::to_string(k) + " is outside [1, 2^31 - 1]");
     return static_cast<int32_t>(k);
 }
 

@@ -20,7 +20,7 @@ public:
     static constexpr char const* kNAME = "TopKGather";
 
     // inputs
-    static constexpr int32_t kIN_SCORES = 0;    //!< (B, H, S) float
+    static constexpr int32_t kIN_SCORES = 0;    //!< (B, H, S) float32 (every build mode: the selection is exact)
     static constexpr int32_t kIN_KEYS = 1;      //!< (B, H, S, Dk) float
     static constexpr int32_t kIN_VALUES = 2;    //!< (B, H, S, Dv) as keys
     static constexpr int32_t kIN_POSITIONS = 3; //!< (B, H, S) int64
@@ -56,6 +56,8 @@ public:
     bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
         int32_t nbOutputs) noexcept override;
     int32_t getNbOutputs() const noexcept override;
+    size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
+        nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
 
     // IPluginV3OneRuntime
     int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs,
@@ -73,7 +75,7 @@ public:
 private:
     void checkShapes(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs) const;
     void doEnqueue(nvinfer1::PluginTensorDesc const* inputDesc, void const* const* inputs, void* const* outputs,
-        cudaStream_t stream) const;
+        void* workspace, cudaStream_t stream) const;
 
     int32_t mK;
     std::vector<nvinfer1::PluginField> mSerialFields;

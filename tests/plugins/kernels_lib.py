@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """ctypes binding of libkvexport_kernels.so (the kvx_* C interface) for the GPU tests and scripts/gpu_check.sh.
 
-The library is found through ``KVEXPORT_KERNELS_LIB``, then the usual build folders; ``build_kernels()`` builds it
-with CMake (kernels only, no TensorRT) when it is missing.
+The library is found through ``KVEXPORT_KERNELS_LIB``, then the usual build folders; :func:`build_kernels` compiles it
+with nvcc (kernels only, no TensorRT, no CMake needed). Outputs are poisoned (0xFF bytes: NaN / -1) before every
+call, so an element a kernel does not write fails the comparison. Imports torch only (no polygraphy, no kvexport).
 """
 
 from __future__ import annotations
@@ -18,6 +19,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 CANDIDATES = ("build/kernels", "build/plugins", "plugins/build", "build")
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+KERNEL_SOURCES = ("plugins/topk_gather/topKGatherKernel.cu", "plugins/latent_attention/latentAttentionKernel.cu")
+ABI_VERSION = 2
+
+
+class KvxDeviceInfo(ctypes.Structure):
+    """plugins/common/kvxDevice.h."""
+
+    _fields_ = [(name, ctypes.c_int32) for name in (
+        "device", "smCount", "smemPerBlockOptin", "smemPerSM", "ccMajor", "ccMinor", "clockKHz", "memClockKHz",
+        "memBusWidth", "l2Bytes")]
 
 
 def find_kernels_lib() -> Path | None:
@@ -32,22 +43,36 @@ def find_kernels_lib() -> Path | None:
     return None
 
 
-def build_kernels(build_dir: Path, archs: str | None = None) -> Path:
-    """cmake -DKVEXPORT_KERNELS_ONLY=ON; archs e.g. "90" (default: the current GPU's)."""
-    if archs is None and torch.cuda.is_available():
+def nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and (Path(home) / "bin" / "nvcc").exists():
+        return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def build_kernels(out_dir: Path, arch: str | None = None, timeout: float = 420) -> Path:
+    """nvcc -shared the two kernel sources for ``arch`` (e.g. "90"; default: the current GPU's)."""
+    if arch is None and torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
-        archs = f"{major}{minor}"
-    cmake = shutil.which("cmake")
-    if cmake is None:
-        raise RuntimeError("cmake not found")
-    cfg = [cmake, "-S", str(ROOT / "plugins"), "-B", str(build_dir), "-DKVEXPORT_KERNELS_ONLY=ON"]
-    if archs:
-        cfg.append(f"-DCMAKE_CUDA_ARCHITECTURES={archs}")
-    subprocess.run(cfg, check=True, capture_output=True, text=True)
-    subprocess.run(
-        [cmake, "--build", str(build_dir), f"-j{os.cpu_count() or 2}"], check=True, capture_output=True, text=True
-    )
-    return build_dir / "libkvexport_kernels.so"
+        arch = f"{major}{minor}"
+    compiler = nvcc()
+    if compiler is None:
+        raise RuntimeError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lib = out_dir / "libkvexport_kernels.so"
+    cmd = [compiler, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo", f"-gencode=arch=compute_{arch},"
+           f"code=sm_{arch}", *(str(ROOT / s) for s in KERNEL_SOURCES), "-o", str(lib)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"nvcc failed:\n{r.stderr[-4000:]}")
+    return lib
+
+
+def poisoned(shape, dtype, device) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if t.numel():
+        t.view(torch.uint8).fill_(0xFF)
+    return t
 
 
 class KernelsLib:
@@ -56,139 +81,83 @@ class KernelsLib:
     def __init__(self, path: Path):
         self.path = Path(path)
         lib = ctypes.CDLL(str(self.path))
-        vp, i32, i64p = ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p
-        lib.kvx_topk_gather.restype = i32
-        lib.kvx_topk_gather.argtypes = [
-            i32,
-            i32,
-            vp,
-            vp,
-            vp,
-            i64p,
-            i32,
-            i32,
-            i32,
-            i32,
-            i32,
-            i32,
-            vp,
-            vp,
-            i64p,
-            i64p,
-            vp,
-        ]
-        lib.kvx_latent_attention.restype = i32
-        lib.kvx_latent_attention.argtypes = [
-            i32,
-            vp,
-            vp,
-            i64p,
-            i64p,
-            i32,
-            i32,
-            i32,
-            i32,
-            i32,
-            i32,
-            ctypes.c_float,
-            vp,
-            vp,
-            vp,
-            ctypes.c_size_t,
-            vp,
-        ]
-        lib.kvx_latent_attention_workspace_size.restype = ctypes.c_size_t
-        lib.kvx_latent_attention_workspace_size.argtypes = [i32, i32, i32, i32, i32]
-        lib.kvx_topk_gather_max_slots.restype = i32
+        vp, i32, sz = ctypes.c_void_p, ctypes.c_int32, ctypes.c_size_t
+        dev_p = ctypes.POINTER(KvxDeviceInfo)
         lib.kvx_abi_version.restype = i32
+        if lib.kvx_abi_version() != ABI_VERSION:
+            raise RuntimeError(f"{self.path} has kvx ABI {lib.kvx_abi_version()}, expected {ABI_VERSION} (rebuild it)")
+        lib.kvx_topk_gather.restype = i32
+        lib.kvx_topk_gather.argtypes = [i32, vp, vp, vp, vp, *[i32] * 6, vp, vp, vp, vp, vp, sz, vp]
+        lib.kvx_topk_gather_workspace_size.restype = sz
+        lib.kvx_topk_gather_workspace_size.argtypes = [i32, i32, i32]
+        lib.kvx_latent_attention.restype = i32
+        lib.kvx_latent_attention.argtypes = [i32, vp, vp, vp, vp, *[i32] * 7, ctypes.c_float, vp, vp, sz, dev_p, vp]
+        lib.kvx_latent_attention_workspace_size.restype = sz
+        lib.kvx_latent_attention_workspace_size.argtypes = [i32] * 6
+        lib.kvx_latent_attention_plan.restype = i32
+        lib.kvx_latent_attention_plan.argtypes = [*[i32] * 7, dev_p, ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_double)]
+        lib.kvx_query_device.restype = i32
+        lib.kvx_query_device.argtypes = [dev_p]
         self.lib = lib
-        self.max_slots = lib.kvx_topk_gather_max_slots()
+        self.device = KvxDeviceInfo()
+        rc = lib.kvx_query_device(ctypes.byref(self.device))
+        if rc != 0:
+            raise RuntimeError(f"kvx_query_device failed with cudaError {rc}")
 
     @staticmethod
     def _stream() -> ctypes.c_void_p:
         return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
 
-    def topk_gather(self, scores, keys, values, positions, k: int):
+    def topk_gather(self, scores, keys, values, positions, k: int, workspace=None):
         """TopKGather (docs/custom_ops.md): -> kept_keys, kept_values, kept_positions, kept_indices."""
         B, H, S = scores.shape
         Dk, Dv = keys.shape[-1], values.shape[-1]
         dev = scores.device
-        kk = torch.empty(B, H, k, Dk, dtype=keys.dtype, device=dev)
-        kv = torch.empty(B, H, k, Dv, dtype=values.dtype, device=dev)
-        kp = torch.empty(B, H, k, dtype=torch.int64, device=dev)
-        ki = torch.empty(B, H, k, dtype=torch.int64, device=dev)
+        kk = poisoned((B, H, k, Dk), keys.dtype, dev)
+        kv = poisoned((B, H, k, Dv), values.dtype, dev)
+        kp = poisoned((B, H, k), torch.int64, dev)
+        ki = poisoned((B, H, k), torch.int64, dev)
+        if workspace is None:
+            workspace = poisoned((self.topk_workspace_size(B, H, S),), torch.uint8, dev)
         scores, keys, values, positions = (t.contiguous() for t in (scores, keys, values, positions))
         rc = self.lib.kvx_topk_gather(
-            DTYPE_CODES[scores.dtype],
-            DTYPE_CODES[keys.dtype],
-            scores.data_ptr(),
-            keys.data_ptr(),
-            values.data_ptr() if Dv else None,
-            positions.data_ptr(),
-            B,
-            H,
-            S,
-            Dk,
-            Dv,
-            k,
-            kk.data_ptr(),
-            kv.data_ptr() if Dv else None,
-            kp.data_ptr(),
-            ki.data_ptr(),
-            self._stream(),
-        )
+            DTYPE_CODES[keys.dtype], scores.data_ptr(), keys.data_ptr(), values.data_ptr() if Dv else None,
+            positions.data_ptr(), B, H, S, Dk, Dv, k, kk.data_ptr(), kv.data_ptr() if Dv else None, kp.data_ptr(),
+            ki.data_ptr(), workspace.data_ptr(), workspace.numel(), self._stream())
         if rc != 0:
             raise RuntimeError(f"kvx_topk_gather failed with cudaError {rc}")
-        return kk, kv, kp, ki
+        return dict(kept_keys=kk, kept_values=kv, kept_positions=kp, kept_indices=ki)
 
-    def workspace_size(self, B: int, H: int, T: int, S: int, R: int) -> int:
-        return int(self.lib.kvx_latent_attention_workspace_size(B, H, T, S, R))
+    def topk_workspace_size(self, B: int, H: int, S: int) -> int:
+        return int(self.lib.kvx_topk_gather_workspace_size(B, H, S))
 
-    def latent_attention(self, q, latent, q_positions, latent_positions, rank: int, scale: float, workspace=None):
-        """LatentAttention (docs/custom_ops.md): -> out (B, Hq, T, R), attn_mass (B, S) float32."""
+    def workspace_size(self, B: int, H: int, T: int, S: int, D: int, R: int) -> int:
+        return int(self.lib.kvx_latent_attention_workspace_size(B, H, T, S, D, R))
+
+    def plan(self, dtype, B: int, H: int, T: int, S: int, D: int, R: int) -> dict:
+        """The launch plan of a LatentAttention call on this GPU (path, tile, splits, modelled bytes)."""
+        p = (ctypes.c_int32 * 6)()
+        b = (ctypes.c_double * 3)()
+        rc = self.lib.kvx_latent_attention_plan(DTYPE_CODES[dtype], B, H, T, S, D, R, ctypes.byref(self.device), p, b)
+        if rc != 0:
+            raise RuntimeError(f"kvx_latent_attention_plan failed with cudaError {rc}")
+        return dict(path=("simt", "mma")[p[0]], rows_per_block=p[1], tile_slots=p[2], threads=p[3], splits=p[4],
+                    smem=p[5], latent_bytes=b[0], partial_bytes=b[1], model_seconds=b[2])
+
+    def latent_attention(self, q, latent, q_positions, latent_positions, rank: int, scale: float, workspace=None,
+                         out=None):
+        """LatentAttention (docs/custom_ops.md): -> out (B, Hq, T, R)."""
         B, H, T, D = q.shape
         S = latent.shape[1]
-        dev = q.device
-        out = torch.empty(B, H, T, rank, dtype=q.dtype, device=dev)
-        mass = torch.empty(B, S, dtype=torch.float32, device=dev)
-        ws_bytes = self.workspace_size(B, H, T, S, rank)
+        if out is None:
+            out = poisoned((B, H, T, rank), q.dtype, q.device)
         if workspace is None:
-            workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=dev)
+            workspace = poisoned((self.workspace_size(B, H, T, S, D, rank),), torch.uint8, q.device)
         q, latent, q_positions, latent_positions = (t.contiguous() for t in (q, latent, q_positions, latent_positions))
         rc = self.lib.kvx_latent_attention(
-            DTYPE_CODES[q.dtype],
-            q.data_ptr(),
-            latent.data_ptr(),
-            q_positions.data_ptr(),
-            latent_positions.data_ptr(),
-            B,
-            H,
-            T,
-            S,
-            D,
-            rank,
-            float(scale),
-            out.data_ptr(),
-            mass.data_ptr(),
-            workspace.data_ptr(),
-            workspace.numel(),
-            self._stream(),
-        )
+            DTYPE_CODES[q.dtype], q.data_ptr(), latent.data_ptr(), q_positions.data_ptr(), latent_positions.data_ptr(),
+            B, H, T, S, D, rank, float(scale), out.data_ptr(), workspace.data_ptr(), workspace.numel(),
+            ctypes.byref(self.device), self._stream())
         if rc != 0:
             raise RuntimeError(f"kvx_latent_attention failed with cudaError {rc}")
-        return out, mass
-
-
-def latent_attention_reference(q, latent, q_positions, latent_positions, rank: int, scale: float):
-    """Pure-PyTorch LatentAttention per docs/custom_ops.md (float32 softmax, finfo.min masking).
-
-    q (B, Hq, T, D), latent (B, S, D), q_positions (B, T), latent_positions (B, S) ->
-    out (B, Hq, T, R) in q's dtype, attn_mass (B, S) float32 summed over heads and queries.
-    """
-    logits = torch.einsum("bhtd,bsd->bhts", q.float(), latent.float()) * scale
-    lp = latent_positions[:, None, None, :]
-    visible = (lp >= 0) & (lp <= q_positions[:, None, :, None])
-    logits = logits.masked_fill(~visible, torch.finfo(torch.float32).min)
-    p = logits.softmax(dim=-1)
-    out = torch.einsum("bhts,bsr->bhtr", p, latent[..., :rank].float())
-    return out.to(q.dtype), p.sum(dim=(1, 2))
+        return out

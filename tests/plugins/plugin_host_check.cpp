@@ -120,6 +120,15 @@ int main()
         all = all && build->supportsFormatCombination(pos, io.data(), 4, 4);
     }
     check(all, "TopKGather accepts fp32 scores + fp16 keys/values + int64");
+    io[0] = desc(DataType::kHALF);
+    check(!build->supportsFormatCombination(0, io.data(), 4, 4), "TopKGather rejects fp16 scores (FP32 only)");
+    io[0] = desc(DataType::kBF16);
+    check(!build->supportsFormatCombination(0, io.data(), 4, 4), "TopKGather rejects bf16 scores (FP32 only)");
+    io[0] = desc(DataType::kFLOAT);
+    int32_t bigK = 1 << 20;
+    PluginField fb("k", &bigK, PluginFieldType::kINT32, 1);
+    PluginFieldCollection cb{1, &fb};
+    check(TopKGatherPluginCreator::parseK(&cb) == (1 << 20), "k above the old 8192 limit accepted");
     io[3] = desc(DataType::kINT32);
     check(!build->supportsFormatCombination(3, io.data(), 4, 4), "TopKGather rejects int32 positions");
     io[2] = desc(DataType::kFLOAT);
@@ -166,23 +175,24 @@ int main()
     PluginFieldCollection const* qser = qrt->getFieldsToSerialize();
     LatentAttentionAttributes b = LatentAttentionPluginCreator::parse(qser);
     check(b.rank == 64 && b.scale == 0.125F, "serialize round trip keeps rank/scale");
+    check(qbuild->getNbOutputs() == 1, "LatentAttention has 1 output");
     DataType lin[4] = {DataType::kHALF, DataType::kHALF, DataType::kINT64, DataType::kINT64};
-    DataType lout[2];
-    check(qbuild->getOutputDataTypes(lout, 2, lin, 4) == 0 && lout[0] == DataType::kHALF
-            && lout[1] == DataType::kFLOAT,
-        "LatentAttention output types (out as q, attn_mass float32)");
+    DataType lout[1];
+    check(qbuild->getOutputDataTypes(lout, 1, lin, 4) == 0 && lout[0] == DataType::kHALF,
+        "LatentAttention output type (out as q)");
     std::vector<DynamicPluginTensorDesc> lio = {desc(DataType::kHALF), desc(DataType::kHALF), desc(DataType::kINT64),
-        desc(DataType::kINT64), desc(DataType::kHALF), desc(DataType::kFLOAT)};
+        desc(DataType::kINT64), desc(DataType::kHALF)};
     all = true;
-    for (int32_t pos = 0; pos < 6; ++pos)
+    for (int32_t pos = 0; pos < 5; ++pos)
     {
-        all = all && qbuild->supportsFormatCombination(pos, lio.data(), 4, 2);
+        all = all && qbuild->supportsFormatCombination(pos, lio.data(), 4, 1);
     }
-    check(all, "LatentAttention accepts fp16 q/latent/out + int64 + fp32 mass");
-    lio[5] = desc(DataType::kHALF);
-    check(!qbuild->supportsFormatCombination(5, lio.data(), 4, 2), "LatentAttention attn_mass must be float32");
+    check(all, "LatentAttention accepts fp16 q/latent/out + int64 positions");
+    check(!qbuild->supportsFormatCombination(0, lio.data(), 4, 2), "LatentAttention refuses a second output");
+    lio[4] = desc(DataType::kFLOAT);
+    check(!qbuild->supportsFormatCombination(4, lio.data(), 4, 1), "LatentAttention out typed like q");
     lio[1] = desc(DataType::kFLOAT);
-    check(!qbuild->supportsFormatCombination(1, lio.data(), 4, 2), "LatentAttention latent typed like q");
+    check(!qbuild->supportsFormatCombination(1, lio.data(), 4, 1), "LatentAttention latent typed like q");
 
     // ---- library entry point
     int32_t n = 0;
