@@ -1,38 +1,45 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Greedy generation with a static-budget (evicting) cache, single-shot or chunked prefill."""
+"""Greedy generation with kvexport's PyTorch decoder and static cache: the library path a user calls, and the
+reference ``kvexport validate`` compares every export with (unpadded prompts, the export's press, budget,
+window and chunk). The cache rules are :mod:`kvexport.cache.plan`'s; this module only loops.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
+import numpy as np
 import torch
 
+from kvexport.cache import plan as cache_plan
 from kvexport.errors import BadUsage
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """attention_mask (B, N) of 0/1, left padded -> positions (B, N), -1 on padding."""
-    m = attention_mask.long()
-    return torch.where(m.bool(), m.cumsum(-1) - 1, torch.full_like(m, -1))
+    """attention_mask (B, N) of 0/1, left padded -> positions (B, N), -1 on padding (plan rule 1)."""
+    pos = cache_plan.positions_from_mask(attention_mask.detach().cpu().numpy())
+    return torch.from_numpy(pos).to(attention_mask.device)
 
 
 @dataclass
 class GenerationResult:
-    tokens: torch.Tensor  # (B, n_new) generated ids
+    tokens: torch.Tensor  # (B, n_new) generated (or forced) ids
     prompt_logits: torch.Tensor  # (B, V) logits at the last prompt token
-    step_logits: list[torch.Tensor] = field(default_factory=list)  # per decode step (B, V)
+    step_logits: list[torch.Tensor] = field(default_factory=list)  # per decode step (B, V), with keep_logits
     compactions: int = 0
-    cache_bytes: int = 0
-    kept_positions: list[list[torch.Tensor]] = field(default_factory=list)  # after each compaction
+    cache_bytes: int = 0  # K/V buffers
+    resident_bytes: dict[str, int] = field(default_factory=dict)  # every cache buffer, by kind
+    kept_positions: list[list[torch.Tensor]] = field(default_factory=list)  # per compaction, per layer (B, Hc, cap)
+    compaction_steps: list[str] = field(default_factory=list)  # "prefill:<chunk>" / "decode:<step>"
+    ties_resolved: int = 0  # compactions where ``tie_break`` chose among equal scores
 
 
 def prefill(decoder, cache, input_ids, positions, chunk: int | None = None) -> torch.Tensor:
-    """Feed the prompt, whole or in chunks of ``chunk`` tokens; -> logits of the last chunk (B, T, V)."""
-    N = input_ids.shape[1]
-    step = N if not chunk else int(chunk)
+    """Feed the prompt (B, N), whole or in chunks of ``chunk`` columns (plan rule 2); -> logits of the last chunk."""
     logits = None
-    for s in range(0, N, step):
-        logits = decoder(input_ids[:, s : s + step], positions[:, s : s + step], cache, mode="prefill")
+    for c in cache_plan.CachePlan((1,), 0, False, chunk).chunks(input_ids.shape[1]):
+        logits = decoder(input_ids[:, c.start : c.stop], positions[:, c.start : c.stop], cache, mode="prefill")
     return logits
 
 
@@ -48,52 +55,78 @@ def generate(
     eos_token_id: int | None = None,
     keep_logits: bool = False,
     track_kept: bool = False,
+    forced_tokens=None,
+    capacity: int | None = None,
+    tie_break: Callable | None = None,
 ) -> GenerationResult:
-    """Greedy decoding. ``press=None`` means a cache that never evicts (the full-cache reference).
+    """Greedy decoding with a static cache; ``press=None`` never evicts (the full-cache reference).
 
-    input_ids (B, N), attention_mask (B, N) with left padding. The cache is made once, with
-    per-layer capacity ``press.layer_budgets(...) + window``, and never grows.
+    input_ids (B, N), attention_mask (B, N) with left padding. With a press the cache has per-layer capacity
+    ``press.layer_budgets(...) + window`` and never grows; without, ``capacity`` slots (default: the prompt plus
+    ``max_new_tokens``). ``forced_tokens`` (B, n): feed these instead of the argmax (teacher forcing).
+    ``keep_logits``: keep every decode step's logits. ``track_kept``: copy the kept positions after each
+    compaction. ``tie_break(where, layer, scores, positions, n_keep) -> indices or None``: lets a caller choose
+    among candidates the press scores (near-)equal (validation uses it to follow another runtime's tie choices;
+    see kvexport.export.validation).
     """
     if input_ids.numel() == 0 or input_ids.shape[1] == 0:
         raise BadUsage("the prompt is empty; give at least one token")
-    if window < 1:
+    if press is not None and window < 1:
         raise BadUsage(f"window {window} must be >= 1")
     if chunk is not None and chunk < 1:
         raise BadUsage(f"chunk {chunk} must be >= 1")
+    if int(max_new_tokens) < 1:
+        raise BadUsage(f"max_new_tokens {max_new_tokens} must be >= 1")
     B, N = input_ids.shape
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    if bool((attention_mask.sum(-1) == 0).any()):
+        raise BadUsage("a prompt row is all padding; give at least one token per row")
     positions = positions_from_mask(attention_mask).to(input_ids.device)
     L = decoder.spec.num_layers
     if press is None:
-        budgets = [N + max_new_tokens] * L
+        budgets, window = [int(capacity or N + max_new_tokens)] * L, 0
     else:
         n_real = int(attention_mask.sum(-1).max())
         budgets = press.layer_budgets(L, n_real)
-    cache = decoder.new_cache(B, press, budgets, window)
+        if hasattr(press, "reset"):
+            press.reset()
+    cache = decoder.new_cache(B, press, budgets, window, chunk)
+    if press is None:
+        cache.plan.check_fits(N, max_new_tokens - 1)
+    result = GenerationResult(tokens=input_ids.new_zeros(B, 0), prompt_logits=input_ids.new_zeros(0))
+
+    def on_compaction(where: str) -> None:
+        if track_kept:
+            result.kept_positions.append(cache.kept_positions())
+            result.compaction_steps.append(where)
+
+    cache.on_compaction = on_compaction
+    if tie_break is not None:
+        cache.tie_break = tie_break
     logits = prefill(decoder, cache, input_ids, positions, chunk)
     last = logits[:, -1]
-    result = GenerationResult(tokens=input_ids.new_zeros(B, 0), prompt_logits=last.clone())
-    next_pos = positions.max(dim=1).values + 1  # (B,)
+    result.prompt_logits = last.clone()
+    next_pos = torch.from_numpy(cache_plan.next_positions(positions.cpu().numpy())).to(input_ids.device)
     done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+    forced = None if forced_tokens is None else torch.as_tensor(np.asarray(forced_tokens), device=input_ids.device)
     out = []
-    for _ in range(max_new_tokens):
-        tok = last.argmax(-1)
+    for step in range(max_new_tokens):
+        tok = last.argmax(-1) if forced is None else forced[:, step].long()
         if eos_token_id is not None:
             tok = torch.where(done, torch.full_like(tok, eos_token_id), tok)
             done |= tok == eos_token_id
         out.append(tok)
         if len(out) == max_new_tokens or (eos_token_id is not None and bool(done.all())):
             break
-        before = cache.compactions
         last = decoder(tok[:, None], next_pos[:, None], cache, mode="decode")[:, -1]
         if keep_logits:
             result.step_logits.append(last.clone())
-        if track_kept and cache.compactions != before:
-            result.kept_positions.append(cache.kept_positions())
         next_pos = next_pos + 1
     result.tokens = torch.stack(out, dim=1)
     result.compactions = cache.compactions
-    result.cache_bytes = cache.nbytes()
+    result.resident_bytes = cache.resident_bytes()
+    result.cache_bytes = result.resident_bytes["kv"]
+    result.ties_resolved = cache.ties_resolved
     result.cache = cache  # type: ignore[attr-defined]
     return result

@@ -218,10 +218,42 @@ def _finish_proto(model, custom: bool):
     return model
 
 
+_REGISTRIES: dict = {}
+
+
+@contextlib.contextmanager
+def _torchlib_registry_once():
+    """Build torch.onnx's torchlib registry once per process instead of once per graph (about a second each).
+
+    ``torch.onnx.export`` makes a fresh ``ONNXRegistry.from_torchlib()`` on every call and then registers the
+    custom translations on it; the registry only depends on the opset, and registering our translations again
+    puts the same functions first, so one registry per opset serves every graph. Falls back to torch's own path
+    if its private layout differs."""
+    try:
+        from torch.onnx._internal.exporter import _registration as reg
+
+        original = reg.ONNXRegistry.__dict__["from_torchlib"]
+    except (ImportError, KeyError):  # pragma: no cover - another torch layout: no caching
+        yield
+        return
+
+    def cached(cls, *args, **kwargs):
+        key = (args, tuple(sorted(kwargs.items())))
+        if key not in _REGISTRIES:
+            _REGISTRIES[key] = original.__func__(cls, *args, **kwargs)
+        return _REGISTRIES[key]
+
+    reg.ONNXRegistry.from_torchlib = classmethod(cached)
+    try:
+        yield
+    finally:
+        reg.ONNXRegistry.from_torchlib = original
+
+
 def _export_graph(module, args: tuple, input_names: list[str], output_names: list[str], custom: bool,
                   dynamic_shapes=None):
     table = ops.translation_table()
-    with torch.no_grad(), warnings.catch_warnings(), _latent_attention_as_custom_op():
+    with torch.no_grad(), warnings.catch_warnings(), _latent_attention_as_custom_op(), _torchlib_registry_once():
         warnings.simplefilter("ignore")
         import io
         from contextlib import redirect_stdout
@@ -248,17 +280,18 @@ def _save(model, path: Path) -> bool:
 
 
 # ----------------------------------------------------------------------------- example inputs
-def cache_examples(shapes: list[graphs.LayerShape], batch: int, window: int, with_queries: bool, dtype) -> list:
+def kv_examples(shapes: list[graphs.LayerShape], batch: int, dtype) -> list:
     out = []
     for s in shapes:
         out += [torch.zeros(batch, s.heads, s.capacity, s.key_dim, dtype=dtype),
                 torch.zeros(batch, s.heads, s.capacity, s.value_dim, dtype=dtype),
                 torch.full((batch, s.heads, s.capacity), -1, dtype=torch.long)]
-        if with_queries:
-            out.append(torch.zeros(batch, s.q_heads, window, s.q_dim, dtype=dtype))
-    if with_queries:
-        out.append(torch.full((batch, window), -1, dtype=torch.long))
     return out
+
+
+def query_examples(shapes: list[graphs.LayerShape], batch: int, window: int, dtype) -> list:
+    return [torch.zeros(batch, s.q_heads, window, s.q_dim, dtype=dtype) for s in shapes] + [
+        torch.full((batch, window), -1, dtype=torch.long)]
 
 
 # ----------------------------------------------------------------------------- the entry point
@@ -266,7 +299,8 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
                  window: int = 32, mla_rank: int | None = None, rope_dim: int | None = None, batch: int = 1,
                  chunk: int = 128, dtype: str = "fp32", ops: str = "custom", dynamic_cache: bool = False,
                  force: bool = False, max_positions: int | None = None, source: str | Path | None = None,
-                 tokenizer_dir: str | Path | None = None) -> Path:
+                 tokenizer_dir: str | Path | None = None, original: str | Path | None = None,
+                 progress=None) -> Path:
     """Export ``model`` to ``out_dir`` (written atomically; see the module docstring for the layout).
 
     model: HF model directory, in-memory HF ``*ForCausalLM``, or a kvexport Decoder (MLA-rewritten or not).
@@ -278,7 +312,9 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
     source: for an in-memory ``model``, the directory its reference model lives in (an HF or saved MLA
     directory holding the same weights): recorded in the manifest (absolute, and relative to the export so a
     moved conversion still finds it), so ``validate`` needs no ``model=``. tokenizer_dir: where to copy the
-    tokenizer from (default: ``source``, or the model directory).
+    tokenizer from (default: ``source``, or the model directory). original: the uncompressed HF model directory
+    this export's model was converted from (recorded so that ``validate`` can measure fidelity against it; by
+    default the model directory itself when it is an HF one). progress: ``progress(message)`` per graph.
     """
     opsel = ops
     from kvexport.export import ops as ops_mod
@@ -303,6 +339,8 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
             raise BadUsage(f"source {source} is not a directory (give the HF or MLA directory of the model)")
         src = source
         model_hash = _hash_model(dec, source)  # what validate recomputes when it loads the source
+    if original is not None and not Path(original).is_dir():
+        raise BadUsage(f"original {original} is not a model directory")
     spec = dec.spec
     L = spec.num_layers
     limit = spec.max_position_embeddings
@@ -330,14 +368,19 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
         "custom_domain": {ops_mod.DOMAIN: ops_mod.OP_VERSION} if custom else None,
         "max_positions": max_pos, "source": str(src.resolve()) if src is not None else None,
         "source_relative": os.path.relpath(src.resolve(), Path(out).resolve()) if src is not None else None,
+        "original": str(Path(original).resolve()) if original is not None else None,
+        "original_relative": (os.path.relpath(Path(original).resolve(), Path(out).resolve())
+                              if original is not None else None),
         "spec": spec.to_dict(), "vocab_size": spec.vocab_size, "num_layers": L,
     }
     with atomic_output(out, force) as tmp:
         files: dict[str, Any] = {}
+        say = progress or (lambda msg: None)
         if dynamic_cache:
+            say("exporting model.onnx (growing past)")
             files["model"] = _export_dynamic(dec, tmp, batch, td, custom)
         else:
-            files.update(_export_static(dec, p, budgets, window_eff, batch, chunk, td, custom, tmp))
+            files.update(_export_static(dec, p, budgets, window_eff, batch, chunk, td, custom, tmp, say))
         settings["graphs"] = files
         tok_src = Path(tokenizer_dir) if tokenizer_dir is not None else _tokenizer_source(model, src)
         if tok_src is not None:
@@ -366,29 +409,38 @@ def _io(model) -> dict[str, list[str]]:
     return {"inputs": [i.name for i in model.graph.input], "outputs": [o.name for o in model.graph.output]}
 
 
-def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: Path) -> dict[str, Any]:
+def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: Path, say) -> dict[str, Any]:
     shapes = graphs.layer_shapes(dec, budgets, window)
     L = len(shapes)
-    wq = press is not None
-    cin, cout = graphs.cache_names(L, wq, "_in"), graphs.cache_names(L, wq, "_out")
-    cache = cache_examples(shapes, batch, window, wq, td)
+    kv_in, kv_out = graphs.kv_names(L, "_in"), graphs.kv_names(L, "_out")
+    q_in, q_out = graphs.query_names(L, "_in"), graphs.query_names(L, "_out")
+    kv = kv_examples(shapes, batch, td)
+    ring = query_examples(shapes, batch, window, td) if press is not None else []
+    zeros_l = torch.zeros(L, dtype=torch.long)
+    one = torch.zeros(1, dtype=torch.long)
     files: dict[str, Any] = {}
     ids = torch.zeros(batch, chunk, dtype=torch.long)
     pos = torch.arange(chunk).expand(batch, chunk).contiguous()
-    m = _export_graph(graphs.PrefillChunk(dec, press, budgets, window).eval(),
-                      (ids, pos, torch.tensor([chunk - 1]), torch.zeros(L, dtype=torch.long), *cache),
-                      ["input_ids", "positions", "last_index", "fill"] + cin, ["logits"] + cout, custom)
+    say("exporting prefill.onnx (1/%d)" % (3 if press is not None else 2))
+    m = _export_graph(graphs.PrefillChunk(dec, press, budgets, window).eval(), (ids, pos, zeros_l, one, *kv),
+                      ["input_ids", "positions", "fill", "n_pad"] + kv_in, ["logits"] + kv_out, custom)
     files["prefill"] = {"file": "prefill.onnx", "external_data": _save(m, tmp / "prefill.onnx"), **_io(m)}
     ids1 = torch.zeros(batch, 1, dtype=torch.long)
     pos1 = torch.full((batch, 1), chunk, dtype=torch.long)
-    m = _export_graph(graphs.DecodeStep(dec, press, budgets, window).eval(),
-                      (ids1, pos1, torch.zeros(L, dtype=torch.long), *cache),
-                      ["input_ids", "positions", "slot"] + cin, ["logits"] + cout, custom)
+    if press is not None:
+        args, names = (ids1, pos1, zeros_l, one, *kv, *ring), ["input_ids", "positions", "slot", "query_slot"]
+        outs = kv_out + q_out
+        names += kv_in + q_in
+    else:
+        args, names, outs = (ids1, pos1, zeros_l, *kv), ["input_ids", "positions", "slot"] + kv_in, kv_out
+    say("exporting decode.onnx (2/%d)" % (3 if press is not None else 2))
+    m = _export_graph(graphs.DecodeStep(dec, press, budgets, window).eval(), args, names, ["logits"] + outs, custom)
     files["decode"] = {"file": "decode.onnx", "external_data": _save(m, tmp / "decode.onnx"), **_io(m)}
     if press is not None:
-        kvp = [n for n in cout if not n.startswith("q")]
+        say("exporting compact.onnx (3/3)")
         m = _export_graph(graphs.Compact(dec, press, budgets, window).eval(),
-                          (torch.full((L,), 1, dtype=torch.long), *cache), ["fill"] + cin, kvp, custom)
+                          (torch.full((L,), 1, dtype=torch.long), one, *kv, *ring),
+                          ["fill", "query_start"] + kv_in + q_in, kv_out, custom)
         files["compact"] = {"file": "compact.onnx", "external_data": _save(m, tmp / "compact.onnx"), **_io(m)}
     files["layers"] = [dataclasses.asdict(s) for s in shapes]
     return files

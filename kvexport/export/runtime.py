@@ -5,8 +5,9 @@ Static exports use IO binding with every cache tensor allocated once as an ``Ort
 session's device). A graph's cache outputs have the same shapes as its inputs; the runner keeps two
 buffers per cache tensor and swaps them after each call (ping-pong), because onnxruntime does not
 promise that a general graph may read and write the same buffer. Memory therefore stays fixed at
-2 x the cache, whatever the number of steps. The host keeps the per-layer fill counts (the rules are
-in :mod:`kvexport.export.graphs`).
+2 x the cache, whatever the number of steps (:meth:`OrtGenerator.resident_bytes` counts every buffer).
+Where each token goes is decided by :class:`kvexport.cache.plan.CacheState`; this module only feeds the
+graphs what the plan says.
 
 The ``--dynamic-cache`` baseline binds its growing ``present_*`` outputs to fresh buffers each step
 (that growth is the point of the comparison).
@@ -14,13 +15,13 @@ The ``--dynamic-cache`` baseline binds its growing ``present_*`` outputs to fres
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from kvexport.cache.plan import CachePlan, CacheState, next_positions, positions_from_mask
 from kvexport.errors import BadArtifact, BadUsage, MissingBackend
 from kvexport.export.manifest import ONNX_EXPORT as KIND
 from kvexport.export.manifest import verify_manifest
@@ -39,12 +40,7 @@ class OrtGenerationResult:
     cache_bytes: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: list[float] = field(default_factory=list)  # wall time of each decode step (incl. compaction)
-
-
-def positions_from_mask(mask: np.ndarray) -> np.ndarray:
-    """attention_mask (B, N) 0/1, left padded -> positions (B, N), -1 on padding."""
-    m = mask.astype(np.int64)
-    return np.where(m.astype(bool), np.cumsum(m, axis=-1) - 1, -1)
+    resident_bytes: dict[str, int] = field(default_factory=dict)  # every buffer the runtime holds, by kind
 
 
 def _np(x) -> np.ndarray:
@@ -161,26 +157,30 @@ class OrtGenerator:
     def _init_cache_layout(self) -> None:
         """Host-side cache layout shared by every backend (this runner and the TensorRT one).
 
-        Sets ``layers``, ``budgets``, ``caps`` (per layer), ``initial`` (name -> empty host array: ``k_i``
-        (B, Hc, cap, Dk), ``v_i`` (B, Hc, cap, Dv), ``pos_i`` (B, Hc, cap) int64 -1, and with a press ``qbuf_i``
-        (B, Hq, W, Dq) and ``qpos`` (B, W) int64 -1) and ``cache_bytes`` (the K/V bytes)."""
+        Sets ``plan`` (:class:`~kvexport.cache.plan.CachePlan`), ``state``, ``layers`` and ``shapes`` (name ->
+        (shape, dtype) of every cache tensor: ``k_i`` (B, Hc, cap, Dk), ``v_i`` (B, Hc, cap, Dv), ``pos_i``
+        (B, Hc, cap) int64, and with a press the ring ``qbuf_i`` (B, Hq, W, Dq), ``qpos`` (B, W) int64)."""
         s = self.settings
         B, W = self.batch, int(s["window"])
         self.layers = s["graphs"]["layers"]
-        self.budgets = [int(x["budget"]) for x in self.layers]
-        self.caps = [int(x["capacity"]) for x in self.layers]
-        self.initial: dict[str, np.ndarray] = {}
+        self.plan = CachePlan.from_settings(s)
+        self.state = CacheState(self.plan)
+        self.shapes: dict[str, tuple[tuple[int, ...], type]] = {}
         for i, ly in enumerate(self.layers):
             H, cap = ly["heads"], ly["capacity"]
-            self.initial[f"k_{i}"] = np.zeros((B, H, cap, ly["key_dim"]), self.dtype)
-            self.initial[f"v_{i}"] = np.zeros((B, H, cap, ly["value_dim"]), self.dtype)
-            self.initial[f"pos_{i}"] = np.full((B, H, cap), -1, np.int64)
+            self.shapes[f"k_{i}"] = ((B, H, cap, ly["key_dim"]), self.dtype)
+            self.shapes[f"v_{i}"] = ((B, H, cap, ly["value_dim"]), self.dtype)
+            self.shapes[f"pos_{i}"] = ((B, H, cap), np.int64)
             if self.press is not None:
-                self.initial[f"qbuf_{i}"] = np.zeros((B, ly["q_heads"], W, ly["q_dim"]), self.dtype)
+                self.shapes[f"qbuf_{i}"] = ((B, ly["q_heads"], W, ly["q_dim"]), self.dtype)
         if self.press is not None:
-            self.initial["qpos"] = np.full((B, W), -1, np.int64)
-        self.cache_bytes = sum(a.nbytes for n, a in self.initial.items() if n[0] in "kv")
+            self.shapes["qpos"] = ((B, W), np.int64)
         self._io_plans: dict[str, tuple] = {}
+
+    def _empty(self, name: str) -> np.ndarray:
+        """What a cache tensor holds when nothing is cached: zeros, positions -1."""
+        shape, dtype = self.shapes[name]
+        return np.full(shape, -1, np.int64) if name.startswith(("pos_", "qpos")) else np.zeros(shape, dtype)
 
     def _io_plan(self, graph: str) -> tuple[list[tuple[str, str]], list[tuple[str, str | None]], frozenset[str]]:
         """What a call of ``graph`` binds, worked out once per graph (not per decode step): cache inputs
@@ -196,15 +196,48 @@ class OrtGenerator:
         return plan
 
     def _alloc(self) -> None:
-        """Two OrtValues per cache tensor (ping-pong) and one for the logits, made once."""
+        """Two buffers per cache tensor (ping-pong) and one for the logits, made once. On the CPU each buffer is a
+        NumPy array wrapped without a copy (``OrtValue.ortvalue_from_numpy`` shares CPU memory), so the host reads
+        and resets them in place; on a GPU they are device OrtValues."""
         self._init_cache_layout()
-        self.buffers = {n: [self._ov(a.copy()), self._ov(a.copy())] for n, a in self.initial.items()}
-        self.cur = dict.fromkeys(self.initial, 0)
-        self.logits = self._ov(np.zeros((self.batch, int(self.settings["vocab_size"])), self.dtype))
+        cpu = self.device == "cpu"
+        self.arrays = {n: [self._empty(n), self._empty(n)] for n in self.shapes} if cpu else {}
+        self.buffers = {n: [self._ov(a) for a in self.arrays[n]] if cpu else
+                        [self._ov(self._empty(n)), self._ov(self._empty(n))] for n in self.shapes}
+        self.cur = dict.fromkeys(self.shapes, 0)
+        self._logits_array = np.zeros((self.batch, int(self.settings["vocab_size"])), self.dtype)
+        self.logits = self._ov(self._logits_array)
+        self._minus_one = {} if cpu else {shape: np.full(shape, -1, np.int64)  # device resets copy from these
+                                          for n, (shape, _) in self.shapes.items() if n.startswith(("pos_", "qpos"))}
 
     def _reset_buffers(self) -> None:
-        for n, a in self.initial.items():
-            self.buffers[n][self.cur[n]].update_inplace(a)
+        """A new sequence only needs every position -1 (k/v of an empty slot are never read)."""
+        for n, (shape, _) in self.shapes.items():
+            if not n.startswith(("pos_", "qpos")):
+                continue
+            if self.arrays:
+                self.arrays[n][self.cur[n]].fill(-1)
+            else:
+                self.buffers[n][self.cur[n]].update_inplace(self._minus_one[shape])
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes this runtime holds for its batch of sequences, read from its own allocations, by kind:
+        ``kv`` (K/V or latents), ``positions``, ``queries`` and ``query_positions`` (the ring), ``double_buffers``
+        (the second ping-pong copy of all of them), ``logits``, ``host`` (reset templates of a device runtime) and
+        ``total``. The formula: :meth:`kvexport.profile.kv_bytes.CacheShape.resident_bytes_at`."""
+        out = dict.fromkeys(("kv", "positions", "queries", "query_positions", "double_buffers", "logits", "host"), 0)
+        if self.dynamic:
+            out["kv"] = self.current_cache_bytes()
+            out["positions"] = int(self._past_pos.nbytes)
+        else:
+            for n, pair in self.buffers.items():
+                sizes = [a.nbytes for a in self.arrays[n]] if self.arrays else [_ov_nbytes(ov) for ov in pair]
+                out[_kind(n)] += sizes[self.cur[n]]
+                out["double_buffers"] += sizes[1 - self.cur[n]]
+            out["logits"] = _ov_nbytes(self.logits)
+            out["host"] = sum(a.nbytes for a in self._minus_one.values())
+        out["total"] = sum(out.values())
+        return out
 
     def _run(self, graph: str, feeds: dict[str, np.ndarray]) -> None:
         """Bind small host inputs + the current cache buffers, write into the other buffers, then swap."""
@@ -227,16 +260,18 @@ class OrtGenerator:
             self.cur[base] = 1 - self.cur[base]
 
     def _positions_now(self) -> list[np.ndarray]:
-        return [self.buffers[f"pos_{i}"][self.cur[f"pos_{i}"]].numpy().copy() for i in range(len(self.layers))]
+        if self.arrays:
+            return [self.arrays[f"pos_{i}"][self.cur[f"pos_{i}"]].copy() for i in range(len(self.layers))]
+        return [self.buffers[f"pos_{i}"][self.cur[f"pos_{i}"]].numpy() for i in range(len(self.layers))]
 
     # ------------------------------------------------------------------ step API
     def reset(self) -> None:
-        """Start a new sequence: empty every cache buffer and the host bookkeeping (fill counts, positions)."""
+        """Start a new sequence: empty every cache buffer and the plan's bookkeeping."""
         B = self.batch
-        self.step = 0  # decode steps since the prefill
         self.compactions = 0
         self.next_pos = np.zeros(B, np.int64)  # (B,) position of the next token
         self.last_logits: np.ndarray | None = None  # (B, V)
+        self.step = 0  # decode steps since the prefill
         if self.dynamic:
             self._past: dict = {}
             for inp in self.sessions["model"].get_inputs():
@@ -247,7 +282,20 @@ class OrtGenerator:
             self._past_pos = np.zeros((B, 0), np.int64)
         else:
             self._reset_buffers()
-            self.fill = [0] * len(self.layers)
+            self.state.reset()
+
+    @property
+    def fill(self) -> list[int]:
+        """Occupied slots per layer (the plan's count)."""
+        return list(self.state.fills)
+
+    @property
+    def budgets(self) -> list[int]:
+        return list(self.plan.budgets)
+
+    @property
+    def caps(self) -> list[int]:
+        return list(self.plan.capacities)
 
     def kept_positions(self) -> list[np.ndarray]:
         """Positions held in each layer's cache now: per layer (B, Hc, cap) int64, -1 = empty slot (copies).
@@ -271,9 +319,9 @@ class OrtGenerator:
     def prefill(self, input_ids, attention_mask=None) -> np.ndarray:
         """Reset, then feed the prompt ``input_ids`` (B, N) (``attention_mask`` (B, N) 0/1, left padded).
 
-        Static exports run the prefill graph on chunks of the export's ``chunk`` (the last one padded with
-        position -1); a press compacts whenever a chunk overflows a layer's budget. Returns the logits of the
-        last prompt token, (B, V) (a copy)."""
+        Static exports run the prefill graph on the plan's chunks (a short last chunk padded at its front); a press
+        compacts whenever a chunk overflows a layer's budget. Returns the logits of the last prompt token, (B, V)
+        (a copy)."""
         ids, mask = check_prompt(input_ids, attention_mask, 1)
         if ids.shape[0] != self.batch:
             raise BadUsage(f"this export takes batches of {self.batch} prompt(s), got {ids.shape[0]}")
@@ -281,39 +329,33 @@ class OrtGenerator:
         pos = positions_from_mask(mask)
         N, B = ids.shape[1], self.batch
         C = int(self.settings["chunk"])
-        n_chunks = math.ceil(N / C)
-        if not self.dynamic and self.press is None and n_chunks * C >= min(self.caps):
-            raise BadUsage(f"prompt ({N} tokens, {n_chunks * C} with chunk padding) does not fit this full-cache "
-                           f"export's capacity {min(self.caps)}")
         self.reset()
-        self.next_pos = pos.max(axis=1) + 1
+        self.next_pos = next_positions(pos)
         if self.dynamic:
             for c in range(0, N, C):
                 last = self._run_dynamic(ids[:, c:c + C], pos[:, c:c + C])
             self.last_logits = last
             return last.copy()
-        pad = n_chunks * C - N
-        ids_p = np.concatenate([ids, np.zeros((B, pad), np.int64)], axis=1)
-        pos_p = np.concatenate([pos, np.full((B, pad), -1, np.int64)], axis=1)
-        for c in range(n_chunks):
-            last_index = (N - 1 - c * C) if c == n_chunks - 1 else C - 1
-            self._run("prefill", self._feeds("prefill", input_ids=ids_p[:, c * C:(c + 1) * C],
-                                             positions=pos_p[:, c * C:(c + 1) * C],
-                                             last_index=np.array([last_index], np.int64),
-                                             fill=np.array(self.fill, np.int64)))
-            if self.press is not None:
-                compacted = any(f + C > b for f, b in zip(self.fill, self.budgets, strict=False))
-                self.fill = [min(f + C, b) for f, b in zip(self.fill, self.budgets, strict=False)]
-                if compacted:
-                    self._compacted(f"prefill:{c}")
-            else:
-                self.fill = [f + C for f in self.fill]
-        self.last_logits = self.logits.numpy().copy()
+        self.plan.check_fits(N)
+        for index, chunk in enumerate(self.plan.chunks(N)):
+            step = self.state.prefill(chunk.n_real)
+            pad = chunk.pad
+            c_ids = np.concatenate([np.zeros((B, pad), np.int64), ids[:, chunk.start:chunk.stop]], axis=1)
+            c_pos = np.concatenate([np.full((B, pad), -1, np.int64), pos[:, chunk.start:chunk.stop]], axis=1)
+            self._run("prefill", self._feeds("prefill", input_ids=c_ids, positions=c_pos,
+                                             fill=np.array(step.fills, np.int64), n_pad=np.array([pad], np.int64)))
+            if step.any_compaction:
+                self._compacted(f"prefill:{index}")
+        self.last_logits = self._logits_now()
         return self.last_logits.copy()
+
+    def _logits_now(self) -> np.ndarray:
+        return self._logits_array.copy() if self.arrays else self.logits.numpy()
 
     def decode(self, token) -> np.ndarray:
         """Feed one token per sequence, ``token`` (B,) int (or an int for batch 1), at the next position; returns
-        its logits (B, V). A press export compacts (host-triggered) when any layer's cache is full."""
+        its logits (B, V). A press export compacts when the plan says so; a full-cache export refuses a token
+        that does not fit (:class:`~kvexport.cache.plan.CacheFull`)."""
         if getattr(self, "last_logits", None) is None:
             raise BadUsage("decode() before prefill(); call prefill(input_ids) first")
         tok = np.asarray(token, dtype=np.int64).reshape(self.batch)
@@ -321,13 +363,16 @@ class OrtGenerator:
         if self.dynamic:
             last = self._run_dynamic(tok[:, None], pos)
         else:
+            step = self.state.decode()
             self._run("decode", self._feeds("decode", input_ids=tok[:, None], positions=pos,
-                                            slot=np.array(self.fill, np.int64)))
-            last = self.logits.numpy().copy()
-            self.fill = [f + 1 for f in self.fill]
-            if self.press is not None and any(f >= c for f, c in zip(self.fill, self.caps, strict=False)):
-                self._run("compact", self._feeds("compact", fill=np.array(self.fill, np.int64)))
-                self.fill = [min(f, b) for f, b in zip(self.fill, self.budgets, strict=False)]
+                                            slot=np.array(step.slots, np.int64),
+                                            query_slot=np.array([step.query_slot], np.int64)))
+            last = self._logits_now()
+            if step.compact:
+                start = self.state.query_start
+                fills = self.state.compact()
+                self._run("compact", self._feeds("compact", fill=np.array(fills, np.int64),
+                                                 query_start=np.array([start], np.int64)))
                 self._compacted(f"decode:{self.step}")
         self.step += 1
         self.next_pos = self.next_pos + 1
@@ -340,7 +385,7 @@ class OrtGenerator:
         missing = sorted(n for n in names if n not in candidates)
         if missing:
             raise BadArtifact(f"{self.path}/{graph}.onnx wants inputs {missing} this runtime does not know; "
-                              "run it with a matching kvexport version")
+                              "re-export it with this kvexport version")
         return {k: v for k, v in candidates.items() if k in names}
 
     def _run_dynamic(self, ids: np.ndarray, pos: np.ndarray) -> np.ndarray:
@@ -370,7 +415,7 @@ class OrtGenerator:
         """Bytes of K/V cache held now (fixed for static exports; the growing past for the baseline)."""
         if self.dynamic:
             return sum(v.numpy().nbytes if not isinstance(v, np.ndarray) else v.nbytes for v in self._past.values())
-        return self.cache_bytes
+        return self.resident_bytes()["kv"]
 
     # ------------------------------------------------------------------ generation
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 32, eos_token_id: int | None = None,
@@ -383,12 +428,8 @@ class OrtGenerator:
         ids, mask = check_prompt(input_ids, attention_mask, max_new_tokens)
         if ids.shape[0] != self.batch:
             raise BadUsage(f"this export takes batches of {self.batch} prompt(s), got {ids.shape[0]}")
-        if not self.dynamic and self.press is None:
-            C, N = int(self.settings["chunk"]), ids.shape[1]
-            n_chunks = math.ceil(N / C)
-            if n_chunks * C + max_new_tokens > min(self.caps):
-                raise BadUsage(f"prompt ({N} tokens, {n_chunks * C} with chunk padding) + {max_new_tokens} new tokens "
-                               f"do not fit this full-cache export's capacity {min(self.caps)}")
+        if not self.dynamic:
+            self.plan.check_fits(ids.shape[1], max_new_tokens - 1)
         B = self.batch
         res = OrtGenerationResult(tokens=np.zeros((B, 0), np.int64), prompt_logits=np.zeros(0))
 
@@ -424,6 +465,7 @@ class OrtGenerator:
         res.tokens = np.stack(out, axis=1)
         res.compactions = self.compactions
         res.cache_bytes = self.current_cache_bytes()
+        res.resident_bytes = self.resident_bytes()
         return res
 
     def _next_token(self, last, step, forced, done, eos):
@@ -432,3 +474,23 @@ class OrtGenerator:
             tok = np.where(done, eos, tok)
             done |= tok == eos
         return tok
+
+
+_NP_ITEMSIZE = {"tensor(float)": 4, "tensor(float16)": 2, "tensor(bfloat16)": 2, "tensor(int64)": 8,
+                "tensor(int32)": 4, "tensor(int8)": 1, "tensor(uint8)": 1, "tensor(double)": 8, "tensor(bool)": 1}
+
+
+def _ov_nbytes(ov) -> int:
+    """Bytes of an OrtValue, from its own shape and element type."""
+    return int(np.prod(ov.shape(), dtype=np.int64)) * _NP_ITEMSIZE[ov.data_type()]
+
+
+def _kind(name: str) -> str:
+    """Cache tensor name -> the kind :meth:`OrtGenerator.resident_bytes` counts it under."""
+    if name.startswith(("k_", "v_")):
+        return "kv"
+    if name.startswith("pos_"):
+        return "positions"
+    if name.startswith("qbuf_"):
+        return "queries"
+    return "query_positions"

@@ -1,17 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Parity of an export directory against the PyTorch model it came from (same press, budgets, MLA).
+"""Is an export what it claims to be? Two comparisons, each against an independent reference.
 
-For each prompt batch the PyTorch reference (:func:`kvexport.export.reference.torch_generate`) runs
-greedily first; both backends are then driven with those tokens (teacher forcing), so every step's
-logits are comparable even after a disagreement. Per step we record the largest absolute logit error
-and the normwise relative error ``max|a - b| / max|b|``; greedy-token agreement is the fraction of
-steps whose onnxruntime argmax equals PyTorch's token; index agreement is the fraction of
-(compaction, layer, row, head) whose kept positions are the same set.
+1. **Parity** with kvexport's PyTorch library path as a user calls it: :func:`kvexport.generation.generate`
+   with the export's press, budget, window and chunk, on the *unpadded* prompts (the graphs see padded static
+   chunks; the library never pads). The reference runs greedily first; the export and the reference are then
+   driven with those tokens (teacher forcing), so every step's logits compare even after a disagreement. Per
+   step: largest absolute logit error and normwise relative error ``max|a - b| / max|b|``; greedy-token
+   agreement = fraction of steps whose argmaxes are equal; index agreement = fraction of
+   (compaction, layer, row, head) whose kept positions are the same set. Where the reference's own scores call
+   two candidates tied (:mod:`kvexport.export.ties`), the reference follows the export's choice and the tie is
+   counted, not failed. The numeric verdict is Polygraphy's: both sides are Polygraphy runners and
+   ``Comparator.compare_accuracy`` with ``SimpleCompareFunc(atol, rtol)`` compares the stacked logits.
+   ``passed`` = Polygraphy passed and token and index agreement reach their thresholds (1.0 in fp32).
+2. **Fidelity** against the original, uncompressed model (:mod:`kvexport.export.fidelity`): what the MLA rank
+   and the budget cost, as numbers (agreement, KL, perplexity, recall).
 
-The numeric verdict is Polygraphy's: both backends are wrapped as Polygraphy runners (``BaseRunner``
-subclasses) and ``Comparator.compare_accuracy`` with ``SimpleCompareFunc(atol, rtol)`` compares the
-stacked logits of every step. ``passed`` = Polygraphy passed and token and index agreement reach their
-thresholds (1.0 in fp32).
+Export parity gates ``raise_on_failure`` (exit 6); fidelity gates it only where asked (``min_agreement``,
+``max_ppl_increase``).
 """
 
 from __future__ import annotations
@@ -50,12 +55,12 @@ def _metadata(batch: int):
 
 
 def _outputs(res) -> OrderedDict:
-    logits = np.stack([res.prompt_logits] + res.step_logits, axis=1).astype(np.float32)  # (B, 1 + steps, V)
-    return OrderedDict(logits=logits)
+    logits = np.stack([_np(res.prompt_logits)] + [_np(x) for x in res.step_logits], axis=1).astype(np.float32)
+    return OrderedDict(logits=logits)  # (B, 1 + steps, V)
 
 
-def _key(ids, mask, forced) -> bytes:
-    return b"|".join(np.ascontiguousarray(x, dtype=np.int64).tobytes() for x in (ids, mask, forced))
+def _np(x) -> np.ndarray:
+    return x.detach().float().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
 
 
 def _make_runner(name: str, batch: int, produce):
@@ -98,32 +103,71 @@ def _generator_runner(generator, name: str, batch: int):
     return _make_runner(name, batch, produce)
 
 
-def make_runners(decoder, press, settings: dict, generator, batch: int, known: dict | None = None):
-    """(PyTorch runner, onnxruntime runner) as Polygraphy runners; each keeps its last full result.
+def reference_kwargs(settings: dict, press) -> dict:
+    """The :func:`kvexport.generation.generate` settings that match an export (press, window, chunk, capacity)."""
+    if settings["mode"] == "dynamic":
+        return {"press": None, "chunk": int(settings["chunk"])}
+    if press is None:
+        return {"press": None, "chunk": int(settings["chunk"]), "capacity": int(min(settings["capacities"]))}
+    return {"press": press, "window": int(settings["window"]), "chunk": int(settings["chunk"])}
 
-    known: PyTorch results already computed, by :func:`_key` of (input_ids, attention_mask, forced tokens);
-    a greedy run forced with its own tokens is the same run, so it is reused instead of recomputed."""
-    known = known if known is not None else {}
-    from kvexport.export.reference import torch_generate
 
-    def reference(feed_dict):  # the PyTorch reference: a generation per feed dict
-        f = feed_dict["forced_tokens"]
-        key = _key(feed_dict["input_ids"], feed_dict["attention_mask"], f)
-        return known.get(key) or torch_generate(decoder, settings, feed_dict["input_ids"], feed_dict["attention_mask"],
-                                                f.shape[1], forced_tokens=f, press=press)
+def reference_generate(decoder, settings: dict, press, ids, mask, n_new: int, forced=None, tie_break=None):
+    """The library path on unpadded prompts: :func:`kvexport.generation.generate` with the export's settings."""
+    import torch
 
-    return _make_runner("pytorch", batch, reference), _generator_runner(generator, "onnxruntime", batch)
+    from kvexport.generation import generate
+
+    dev = next(decoder.parameters()).device
+    t_ids = torch.as_tensor(np.asarray(ids), dtype=torch.long, device=dev)
+    t_mask = torch.as_tensor(np.asarray(mask), dtype=torch.long, device=dev)
+    kw = reference_kwargs(settings, press)
+    if kw["press"] is not None:
+        L = decoder.spec.num_layers
+        got = [int(b) for b in kw["press"].layer_budgets(L, int(t_mask.sum(-1).max()))]
+        if got != [int(b) for b in settings["budgets"]]:
+            raise BadArtifact(f"the press gives per-layer budgets {got}, the export was made with "
+                              f"{settings['budgets']}; re-export with this kvexport version")
+    return generate(decoder, t_ids, t_mask, max_new_tokens=n_new, forced_tokens=forced, keep_logits=True,
+                    track_kept=True, tie_break=tie_break, **kw)
+
+
+def make_runners(decoder, press, settings: dict, generator, batch: int, name: str = "onnxruntime",
+                 rtol_ties: float = 1e-5):
+    """(candidate runner, PyTorch reference runner) as Polygraphy runners; run the candidate first: the reference
+    follows its choices at ties (:class:`~kvexport.export.ties.TieReferee`) and keeps the referee as ``.referee``."""
+    from kvexport.export.ties import TieReferee
+
+    cand = _generator_runner(generator, name, batch)
+
+    def reference(feed_dict):
+        seen = cand.last
+        kept = dict(zip(seen.compaction_steps, seen.kept_positions, strict=True)) if seen is not None else {}
+        referee = TieReferee(kept, rtol_ties)
+        ref_runner.referee = referee
+        return reference_generate(decoder, settings, press, feed_dict["input_ids"], feed_dict["attention_mask"],
+                                  feed_dict["forced_tokens"].shape[1], forced=feed_dict["forced_tokens"],
+                                  tie_break=referee)
+
+    ref_runner = _make_runner("pytorch" if name == "onnxruntime" else f"pytorch[{name}]", batch, reference)
+    ref_runner.referee = None
+    return cand, ref_runner
 
 
 # ----------------------------------------------------------------------------- prompts
 def default_prompt_lengths(settings: dict) -> list[int]:
-    """Below, at and above the budget, and longer than several chunks."""
+    """One token, around a chunk, below / at / above the budget, and longer than several chunks (lengths that
+    are not multiples of the chunk, so the last chunk is padded)."""
     C = int(settings["chunk"])
+    lengths = [1, max(1, C - 1), C + 1, 3 * C + 5]
     if settings.get("budgets"):
         b = int(max(settings["budgets"]))
-        lengths = [max(1, b // 2), b, 2 * b + 3, 3 * C + 5]
-    else:
-        lengths = [max(1, C // 2), C, 3 * C + 5]
+        lengths += [max(1, b // 2), b, 2 * b + 3]
+    cap = int(settings.get("max_positions") or 0)
+    if settings.get("mode") == "static" and not settings.get("budgets"):
+        cap = min(cap or 10**9, int(min(settings["capacities"])))
+    if cap:
+        lengths = [n for n in lengths if n < cap // 2] or [1]
     return sorted(set(lengths))
 
 
@@ -163,13 +207,15 @@ def make_batches(prompts, settings: dict, tokenizer, seed: int = 0) -> list[tupl
 
 
 # ----------------------------------------------------------------------------- metrics
-def _kept_agreement(ref, ort) -> tuple[int, int]:
+def _kept_agreement(ref, cand) -> tuple[int, int]:
+    """(agreeing, compared) kept sets over every compaction, layer, row and head."""
     agree = total = 0
-    if ref.compaction_steps != ort.compaction_steps:
-        n = max(len(ref.compaction_steps), len(ort.compaction_steps))
+    if list(ref.compaction_steps) != list(cand.compaction_steps):
+        n = max(len(ref.compaction_steps), len(cand.compaction_steps))
         return 0, max(n, 1)
-    for kr, ko in zip(ref.kept_positions, ort.kept_positions, strict=False):
-        for a, b in zip(kr, ko, strict=False):  # per layer (B, Hc, S)
+    for kr, ko in zip(ref.kept_positions, cand.kept_positions, strict=True):
+        for a, b in zip(kr, ko, strict=True):  # per layer (B, Hc, cap)
+            a, b = _np(a), _np(b)
             for r in range(a.shape[0]):
                 for h in range(a.shape[1]):
                     x, y = a[r, h], b[r, h]
@@ -218,26 +264,27 @@ class _PairStats:
         self.rel: list[float] = []
         self.tok_agree = self.tok_total = self.idx_agree = self.idx_total = 0
         self.poly_ok = True
+        self.ties = 0
         self.rows: list[dict] = []
 
-    def add(self, ref, cand, feed, poly_ok: bool) -> None:
+    def add(self, ref, cand, feed, poly_ok: bool, ties: int = 0) -> None:
         self.poly_ok = self.poly_ok and poly_ok
-        a = np.stack([ref.prompt_logits] + ref.step_logits, 1).astype(np.float64)
-        b = np.stack([cand.prompt_logits] + cand.step_logits, 1).astype(np.float64)
+        a = np.stack([_np(ref.prompt_logits)] + [_np(x) for x in ref.step_logits], 1).astype(np.float64)
+        b = np.stack([_np(cand.prompt_logits)] + [_np(x) for x in cand.step_logits], 1).astype(np.float64)
         err = np.abs(a - b).max(axis=(0, 2))
         scale = np.abs(a).max(axis=(0, 2))
         self.abs += err.tolist()
         self.rel += (err / np.maximum(scale, 1e-12)).tolist()
-        argmax = b[:, :-1].argmax(-1)  # the token chosen after each step (last step chooses nothing new)
-        forced = feed["forced_tokens"]
-        agree = argmax == forced[:, : argmax.shape[1]]
+        agree = b.argmax(-1) == a.argmax(-1)  # the greedy choice after every step, candidate vs reference
         self.tok_agree += int(agree.sum())
         self.tok_total += agree.size
         ia, it = _kept_agreement(ref, cand)
         self.idx_agree += ia
         self.idx_total += it
+        self.ties += ties
         self.rows.append({"lengths": feed["attention_mask"].sum(-1).tolist(), "compactions": cand.compactions,
-                          "max_abs_logit_error": float(err.max()), "token_agreement": float(agree.mean())})
+                          "max_abs_logit_error": float(err.max()), "token_agreement": float(agree.mean()),
+                          "ties_followed": ties})
 
     def report(self, reference: str, candidate: str, steps: int, atol, rtol, min_tok, min_idx) -> dict:
         token_agreement = self.tok_agree / max(self.tok_total, 1)
@@ -252,87 +299,117 @@ class _PairStats:
             "tolerances": {"atol": atol, "rtol": rtol, "token_agreement": min_tok, "index_agreement": min_idx,
                            "compare": "polygraphy SimpleCompareFunc (elementwise) on stacked per-step logits"},
             "per_step_max_abs_logit_error": self.abs, "per_step_max_rel_logit_error": self.rel,
-            "prompts": self.rows, "compared_kept_sets": self.idx_total,
+            "prompts": self.rows, "compared_kept_sets": self.idx_total, "ties_followed": self.ties,
         }
 
 
 def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rtol: float | None = None,
              model=None, providers=None, write: bool = True, raise_on_failure: bool = False,
-             backend: str = "onnxruntime", engines=None, trt_generator=None) -> dict:
-    """Compare an export with its PyTorch model; write ``DIR/parity.json``; return the report dict.
+             backend: str = "onnxruntime", engines=None, trt_generator=None, candidate=None,
+             fidelity: bool = True, eval_data=None, min_agreement: float | None = None,
+             max_ppl_increase: float | None = None, original=None, fidelity_settings=None,
+             progress=None) -> dict:
+    """Compare an export with kvexport's PyTorch library path and with the original model; write
+    ``DIR/parity.json``; return the report dict.
 
-    prompts: None (random token ids at lengths below/at/above the budget and over several chunks),
+    prompts: None (random token ids: one token, around a chunk, below/at/above the budget, several chunks),
     a list of lengths, token-id lists or strings. steps: decode steps per prompt (>= 1).
     atol/rtol: logit tolerances (default by dtype: fp32 1e-4 / 1e-3, fp16 5e-2 / 5e-2); token / index
     agreement must be 1.0 in fp32, >= 0.98 / 0.95 in fp16 (:data:`TOLERANCES`).
     backend "tensorrt" adds the pairs ``onnxruntime~tensorrt`` and ``pytorch~tensorrt`` (engines from
     ``engines``, default ``DIR-tensorrt``; ``trt_generator``: an already opened
-    :class:`~kvexport.tensorrt.generator.TrtGenerator`). Every pair goes through Polygraphy's comparator.
-    Raises :class:`ParityFailure` (exit 6) when ``raise_on_failure`` and a tolerance fails.
+    :class:`~kvexport.tensorrt.generator.TrtGenerator`). ``candidate``: validate this step generator (same API as
+    :class:`~kvexport.export.runtime.OrtGenerator`) instead of onnxruntime's. Every pair goes through Polygraphy.
+    fidelity: also compare with the original model (``original``: its HF directory; default: the one the
+    manifest names) on ``eval_data`` (a text file; default: the bundled held-out text); ``fidelity_settings``:
+    a :class:`~kvexport.export.fidelity.FidelitySettings`. ``min_agreement`` / ``max_ppl_increase`` gate it.
+    progress: ``progress(message)`` at each sub-step.
+    Raises :class:`ParityFailure` (exit 6) when ``raise_on_failure`` and a tolerance or a gate fails.
     """
     from polygraphy.comparator import Comparator, SimpleCompareFunc
 
     from kvexport.export.exporter import press_from_dict
     from kvexport.export.runtime import OrtGenerator
+    from kvexport.export.ties import TIE_RTOL
 
+    say = progress or (lambda msg: None)
     if int(steps) < 1:
         raise BadUsage(f"--steps {steps} must be >= 1")
     if backend not in ("onnxruntime", "tensorrt"):
         raise BadUsage(f"--backend {backend!r} is not one of: onnxruntime, tensorrt")
+    for name, v, lo, hi in (("--min-agreement", min_agreement, 0.0, 1.0), ("--max-ppl-increase", max_ppl_increase,
+                                                                           0.0, float("inf"))):
+        if v is not None and not (lo <= float(v) <= hi):
+            raise BadUsage(f"{name} {v} is outside [{lo:g}, {hi:g}]")
+    if (min_agreement is not None or max_ppl_increase is not None) and not fidelity:
+        raise BadUsage("--min-agreement / --max-ppl-increase gate the fidelity section; drop --no-fidelity")
     if backend == "tensorrt" and trt_generator is None:
         from kvexport.tensorrt.generator import TrtGenerator
 
         trt_generator = TrtGenerator(path, engines=engines)  # MissingBackend first when TensorRT / a GPU is absent
-    gen = OrtGenerator(path, providers=providers)
+    gen = candidate if candidate is not None else OrtGenerator(path, providers=providers)
     s = gen.settings
     d_atol, d_rtol, min_tok, min_idx = TOLERANCES[s["dtype"]]
     atol = d_atol if atol is None else float(atol)
     rtol = d_rtol if rtol is None else float(rtol)
     press = press_from_dict(s["press"])
+    say("loading the PyTorch reference")
     decoder = load_reference_model(gen.manifest, model, root=path)
     tokenizer = None
-    if s.get("tokenizer") and prompts is not None and any(isinstance(p, str) for p in prompts):
+    if s.get("tokenizer"):
         from kvexport.models.loading import load_tokenizer
 
         tokenizer = load_tokenizer(Path(path) / s["tokenizer"])
+    if prompts is not None and any(isinstance(p, str) for p in prompts) and tokenizer is None:
+        raise BadUsage("text prompts need the export's tokenizer/ directory; give token ids instead")
     batches = make_batches(prompts, s, tokenizer)
-    from kvexport.export.reference import torch_generate
-
-    feeds = []
-    known = {}
-    for ids, mask in batches:
-        free = torch_generate(decoder, s, ids, mask, int(steps) + 1, press=press)
-        feeds.append(OrderedDict(input_ids=ids, attention_mask=mask, forced_tokens=free.tokens))
-        known[_key(ids, mask, free.tokens)] = free
-    torch_runner, ort_runner = make_runners(decoder, press, s, gen, int(s["batch"]), known)
-    runners = [torch_runner, ort_runner]
-    names = {"pytorch~onnxruntime": (0, 1)}
+    B = int(s["batch"])
+    tie_rtol = TIE_RTOL.get(s["dtype"], 1e-5)
+    cand_name = getattr(gen, "backend", "onnxruntime")
+    cand_runner, ref_runner = make_runners(decoder, press, s, gen, B, cand_name, tie_rtol)
+    runners = [cand_runner, ref_runner]
+    names = {f"pytorch~{cand_name}": (1, 0)}
     if trt_generator is not None:
-        runners.append(_generator_runner(trt_generator, "tensorrt", int(s["batch"])))
-        names.update({"onnxruntime~tensorrt": (1, 2), "pytorch~tensorrt": (0, 2)})
+        trt_runner, trt_ref = make_runners(decoder, press, s, trt_generator, B, "tensorrt", tie_rtol)
+        runners += [trt_runner, trt_ref]
+        names.update({"pytorch~tensorrt": (3, 2), "onnxruntime~tensorrt": (0, 2)})
     stats = {n: _PairStats() for n in names}
     from polygraphy.logger import G_LOGGER
 
     old = G_LOGGER.module_severity
     G_LOGGER.module_severity = G_LOGGER.ERROR
     try:
-        for feed in feeds:
+        for k, (ids, mask) in enumerate(batches):
+            say(f"parity: prompt {k + 1}/{len(batches)} ({int(mask.sum(-1).max())} tokens)")
+            free = reference_generate(decoder, s, press, ids, mask, int(steps) + 1)
+            feed = OrderedDict(input_ids=ids, attention_mask=mask, forced_tokens=_np(free.tokens).astype(np.int64))
             results = Comparator.run(runners, data_loader=[feed])
             func = SimpleCompareFunc(atol=atol, rtol=rtol)
             for n, (i, j) in names.items():
                 acc = Comparator.compare_accuracy(results, compare_func=func, comparisons=[(i, j)])
-                stats[n].add(runners[i].last, runners[j].last, feed, bool(acc))
+                referee = getattr(runners[i], "referee", None)
+                stats[n].add(runners[i].last, runners[j].last, feed, bool(acc),
+                             ties=referee.accepted if referee is not None else 0)
     finally:
         G_LOGGER.module_severity = old
-    cand = {"onnxruntime": f"onnxruntime:{gen.providers[0]}", "tensorrt": "tensorrt", "pytorch": "pytorch"}
+    labels = {"onnxruntime": f"onnxruntime:{gen.providers[0]}", "tensorrt": "tensorrt", "pytorch": "pytorch"}
     pairs = {}
     for n, st in stats.items():
-        ref_name, cand_name = n.split("~")
-        pairs[n] = st.report(ref_name, cand[cand_name], steps, atol, rtol, min_tok, min_idx)
-    report = {"export": str(Path(path).resolve()), "settings": {k: s[k] for k in ("mode", "batch", "chunk", "window",
-                                                                                  "budgets", "press", "mla", "dtype",
-                                                                                  "ops")},
+        ref_name, c_name = n.split("~")
+        pairs[n] = st.report("kvexport.generation.generate (PyTorch, unpadded)" if ref_name == "pytorch" else ref_name,
+                             labels.get(c_name, c_name), steps, atol, rtol, min_tok, min_idx)
+    report = {"export": str(Path(path).resolve()),
+              "settings": {k: s[k] for k in ("mode", "batch", "chunk", "window", "budgets", "press", "mla", "dtype",
+                                             "ops")},
               "pairs": pairs}
+    if fidelity:
+        from kvexport.export.fidelity import FidelitySettings, measure_fidelity
+
+        say("fidelity: loading the original model")
+        report["fidelity"] = measure_fidelity(path, gen, tokenizer, original=original, eval_data=eval_data,
+                                              settings=fidelity_settings or FidelitySettings(),
+                                              min_agreement=min_agreement, max_ppl_increase=max_ppl_increase,
+                                              progress=say)
     if write:
         atomic_write_bytes(Path(path) / PARITY_FILE, (json.dumps(report, indent=2, sort_keys=True) + "\n").encode())
     failed = [n for n, p in pairs.items() if not p["passed"]]
@@ -341,4 +418,7 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
         raise ParityFailure(f"{path}: {failed[0]}: max abs logit error {p['max_abs_logit_error']:.3g} (atol {atol:g}), "
                             f"token agreement {p['token_agreement']:.3f}, index agreement {p['index_agreement']:.3f}; "
                             f"see {PARITY_FILE}")
+    gates = (report.get("fidelity") or {}).get("gates") or {}
+    if raise_on_failure and gates.get("passed") is False:
+        raise ParityFailure(f"{path}: fidelity against the original model: {gates['failed']}; see {PARITY_FILE}")
     return report

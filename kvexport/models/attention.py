@@ -2,8 +2,9 @@
 """Grouped-query attention over an explicit cache, written for export (no data-dependent control flow).
 
 Causality and padding come from positions, not from a triangular mask: query t may see key j iff
-``0 <= pos_k[j] <= pos_q[t]``. That one rule covers the prompt, a chunk after a compacted cache,
-a decode step, and left padding (position -1).
+``0 <= pos_k[j] <= pos_q[t]`` (and ``pos_q[t] - pos_k[j] < sliding_window`` where the layer has one, HF's
+``sliding_window_overlay``). That one rule (:func:`visible`) covers the prompt, a chunk after a compacted
+cache, a decode step, left padding (position -1), and the presses' attention estimates.
 """
 
 from __future__ import annotations
@@ -30,11 +31,19 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
-def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-    """q_pos (B, T), k_pos (B, Hc, S) -> bool (B, Hc, 1, T, S): key visible to query."""
-    kp = k_pos[:, :, None, None, :]  # (B, Hc, 1, 1, S)
-    qp = q_pos[:, None, None, :, None]  # (B, 1, 1, T, 1)
-    return (kp >= 0) & (kp <= qp)
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
+    """q_pos (B, T), k_pos (B, Hc, S) -> bool (B, Hc, T, S): key j visible to query t."""
+    kp = k_pos[:, :, None, :]  # (B, Hc, 1, S)
+    qp = q_pos[:, None, :, None]  # (B, 1, T, 1)
+    vis = (kp >= 0) & (kp <= qp)
+    if sliding_window is not None:
+        vis = vis & (qp - kp < int(sliding_window))
+    return vis
+
+
+def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
+    """q_pos (B, T), k_pos (B, Hc, S) -> bool (B, Hc, 1, T, S) (:func:`visible` with a group axis)."""
+    return visible(q_pos, k_pos, sliding_window)[:, :, None]
 
 
 def grouped_attention(
@@ -45,6 +54,7 @@ def grouped_attention(
     k_pos: torch.Tensor,
     scaling: float,
     return_probs: bool = False,
+    sliding_window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax attention of grouped queries over per-KV-head keys, masked by positions.
 
@@ -58,7 +68,7 @@ def grouped_attention(
     qg = q.reshape(B, Hc, G * T, Dk)
     logits = torch.matmul(qg, k.transpose(-1, -2)).reshape(B, Hc, G, T, S) * scaling
     logits = logits.float()
-    mask = visibility_mask(q_pos, k_pos)
+    mask = visibility_mask(q_pos, k_pos, sliding_window)
     logits = logits.masked_fill(~mask, torch.finfo(torch.float32).min)
     probs = torch.softmax(logits, dim=-1).to(v.dtype)  # (B, Hc, G, T, S)
     out = torch.matmul(probs.reshape(B, Hc, G * T, S), v).reshape(B, Hq, T, v.shape[-1])
@@ -73,9 +83,10 @@ class GQAAttention(nn.Module):
     (after q_norm), which the presses score with.
     """
 
-    def __init__(self, spec: ModelSpec, rotary: Rotary):
+    def __init__(self, spec: ModelSpec, rotary: Rotary, layer_idx: int = 0):
         super().__init__()
         self.spec = spec
+        self.sliding_window = spec.sliding_window_of(layer_idx)
         H, D = spec.hidden_size, spec.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, D
         self.q_proj = nn.Linear(H, spec.num_heads * D, bias=spec.qkv_bias)
@@ -123,6 +134,7 @@ class GQAAttention(nn.Module):
         k_all = torch.cat([past_k, k_new], dim=2)
         v_all = torch.cat([past_v, v_new], dim=2)
         pos_all = torch.cat([past_pos, new_pos], dim=2)
-        out, _ = grouped_attention(q, k_all, v_all, positions, pos_all, self.scaling)
+        out, _ = grouped_attention(q, k_all, v_all, positions, pos_all, self.scaling,
+                                   sliding_window=self.sliding_window)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         return self.o_proj(out), k_new, v_new, q_pre

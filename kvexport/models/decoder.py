@@ -13,7 +13,9 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from kvexport.cache.plan import CachePlan
 from kvexport.cache.static_cache import LayerCache, ScoreContext, StaticCache
+from kvexport.errors import BadUsage
 from kvexport.models.attention import GQAAttention, RMSNorm
 from kvexport.models.rope import Rotary
 from kvexport.models.spec import ModelSpec
@@ -59,9 +61,16 @@ class Decoder(nn.Module):
         super().__init__()
         self.spec = spec
         self.rotary = rotary
-        make_attn = attention_factory or (lambda i: GQAAttention(spec, rotary))
+        make_attn = attention_factory or (lambda i: GQAAttention(spec, rotary, i))
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, make_attn(i)) for i in range(spec.num_layers))
+        for i, layer in enumerate(self.layers):  # faithful or refused: a windowed layer needs a windowed attention
+            w = spec.sliding_window_of(i)
+            if w is not None and getattr(layer.self_attn, "sliding_window", None) != w:
+                from kvexport.errors import BadModel
+
+                raise BadModel(f"layer {i} has sliding_window {w}, which {type(layer.self_attn).__name__} does not "
+                               "support; use the model without an MLA rewrite (eviction works with windows)")
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
@@ -89,53 +98,80 @@ class Decoder(nn.Module):
         dec.rotary.inv_freq.copy_(base.rotary_emb.inv_freq)
         return dec.eval()
 
-    def new_cache(self, batch: int, press, budgets: int | list[int], window: int) -> StaticCache:
-        """A :class:`StaticCache` with per-layer capacity ``budget + window``, on this model's device/dtype."""
+    def new_cache(self, batch: int, press, budgets: int | list[int], window: int, chunk: int | None = None) -> StaticCache:
+        """A :class:`StaticCache` on this model's device/dtype, per-layer capacity ``budget + window``.
+
+        With a press the cache evicts (``budget`` kept, ``window`` decode slots and observation queries); with
+        ``press=None`` nothing is ever evicted and ``budget + window`` is a hard capacity (kvexport.cache.plan).
+        """
         L = self.spec.num_layers
         if isinstance(budgets, int):
             budgets = [budgets] * L
+        if len(budgets) != L:
+            raise BadUsage(f"{len(budgets)} budgets for {L} layers")
+        if window < (1 if press is not None else 0):
+            raise BadUsage(f"window {window} must be >= 1")
+        evicting = press is not None
+        plan = CachePlan(tuple(int(b) for b in budgets) if evicting else tuple(int(b) + int(window) for b in budgets),
+                         int(window) if evicting else 0, evicting, chunk)
         p = next(self.parameters())
         layers = []
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             ctx = ScoreContext(rotary=attn.score_rotary if hasattr(attn, "score_rotary") else attn.rotary,
-                               scaling=attn.scaling, layer_idx=i, num_layers=L)
+                               scaling=attn.scaling, layer_idx=i, num_layers=L,
+                               sliding_window=getattr(attn, "sliding_window", None))
             layers.append(LayerCache(batch, attn.cache_heads, attn.key_dim, attn.value_dim, attn.num_heads,
                                      attn.score_dim if hasattr(attn, "score_dim") else attn.head_dim,
-                                     budgets[i], window, p.dtype, p.device, ctx))
-        return StaticCache(layers, press)
+                                     plan.budgets[i], plan.window, p.dtype, p.device, ctx, evicting))
+        return StaticCache(layers, press, plan)
 
     # ----------------------------------------------------------------- running
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache | None = None,
                 mode: str = "prefill", output_hidden: bool = False):
-        """Run T tokens through every layer.
+        """Run T tokens through every layer; the cache follows the rules of :mod:`kvexport.cache.plan`.
 
-        mode "prefill": the chunk joins the cache and each layer is compacted to its budget if it
-        overflows. mode "decode": tokens are appended; when a layer is full, all are compacted.
+        mode "prefill": a chunk of T prompt columns joins the cache (compacted to the budget where it
+        overflows). mode "decode": one token per row (T = 1); when a layer is full, all are compacted.
         With ``cache=None`` the tokens attend only to themselves (a plain forward).
         Returns logits (B, T, V) (and the final hidden states (B, T, H) with ``output_hidden``).
         """
         h = self.embed_tokens(input_ids)
-        B = input_ids.shape[0]
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            if cache is None:
+        B, T = input_ids.shape
+        if cache is None:
+            for layer in self.layers:
+                attn = layer.self_attn
                 empty_k = h.new_zeros(B, attn.cache_heads, 0, attn.key_dim)
                 empty_v = h.new_zeros(B, attn.cache_heads, 0, attn.value_dim)
                 empty_p = positions.new_zeros(B, attn.cache_heads, 0)
                 h, *_ = layer(h, positions, empty_k, empty_v, empty_p)
-                continue
-            lc = cache.layers[i]
-            pk, pv, pp = lc.occupied()
-            h, k_new, v_new, q_pre = layer(h, positions, pk, pv, pp)
-            new_pos = positions[:, None, :].expand(B, k_new.shape[1], positions.shape[1])
-            q_score = attn.score_queries(q_pre)
+            h = self.norm(h)
+            logits = self.lm_head(h)
+            return (logits, h) if output_hidden else logits
+        if mode == "prefill":
+            step = cache.begin_prefill(T)
+            fills = step.fills
+        elif mode == "decode":
+            if T != 1:
+                raise BadUsage(f"decode takes one token per row, got {T}")
+            step = cache.begin_decode()
+            fills = step.slots
+        else:
+            raise BadUsage(f"mode {mode!r} is not one of: prefill, decode")
+        for i, layer in enumerate(self.layers):
+            attn, lc = layer.self_attn, cache.layers[i]
+            h, k_new, v_new, q_pre = layer(h, positions, *lc.view(fills[i]))
+            new_pos = positions[:, None, :].expand(B, k_new.shape[1], T)
+            q_score = attn.score_queries(q_pre) if cache.press is not None else None
             if mode == "prefill":
-                lc.prefill(cache.press, k_new, v_new, new_pos, q_score, positions)
+                lc.prefill(cache.press, fills[i], step.compacts[i], k_new, v_new, new_pos, q_score, positions)
             else:
-                lc.append(k_new, v_new, new_pos, q_score, positions)
-        if cache is not None and mode == "decode" and cache.is_full():
-            cache.compact()
+                lc.append(fills[i], step.query_slot if cache.press is not None else None, k_new, v_new, new_pos,
+                          q_score, positions)
+        if mode == "prefill":
+            cache.end_prefill(step)
+        else:
+            cache.end_decode(step)
         h = self.norm(h)
         logits = self.lm_head(h)
         return (logits, h) if output_hidden else logits

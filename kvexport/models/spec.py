@@ -27,6 +27,9 @@ class ModelSpec:
 
     ``qkv_bias``: Qwen2 (and Llama with ``attention_bias``); ``qk_norm``: Qwen3's per-head RMSNorm
     on queries and keys before RoPE; ``o_bias``: Llama's ``attention_bias`` also biases o_proj.
+    ``sliding_windows``: per layer, the attention window (None = full attention), or None when no layer has
+    one: Mistral's ``sliding_window`` applies to every layer, Qwen2/Qwen3 window the layers that ``layer_types``
+    marks ``sliding_attention`` (transformers derives it from ``use_sliding_window`` / ``max_window_layers``).
     """
 
     model_type: str
@@ -46,6 +49,18 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
     rope: dict[str, Any] = field(default_factory=dict)
+    sliding_windows: tuple[int | None, ...] | None = None
+
+    def __post_init__(self):
+        if self.sliding_windows is not None:
+            object.__setattr__(self, "sliding_windows", tuple(None if w is None else int(w)
+                                                               for w in self.sliding_windows))
+            if len(self.sliding_windows) != self.num_layers:
+                raise BadModel(f"{len(self.sliding_windows)} sliding windows for {self.num_layers} layers")
+
+    def sliding_window_of(self, layer: int) -> int | None:
+        """The attention window of ``layer`` (None = full attention)."""
+        return None if self.sliding_windows is None else self.sliding_windows[layer]
 
     @property
     def group_size(self) -> int:
@@ -56,7 +71,9 @@ class ModelSpec:
         return SUPPORTED_FAMILIES[self.model_type]
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["sliding_windows"] = list(self.sliding_windows) if self.sliding_windows is not None else None
+        return d
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "ModelSpec":
@@ -87,12 +104,13 @@ class ModelSpec:
         if rope.get("rope_type", "default") not in ("default", "linear", "llama3", "dynamic", "yarn", "longrope"):
             raise BadModel(f"unsupported rope_type {rope.get('rope_type')!r}")
         attention_bias = bool(getattr(config, "attention_bias", False))
+        n_layers = int(config.num_hidden_layers)
         return cls(
             model_type=model_type,
             vocab_size=int(config.vocab_size),
             hidden_size=int(config.hidden_size),
             intermediate_size=int(config.intermediate_size),
-            num_layers=int(config.num_hidden_layers),
+            num_layers=n_layers,
             num_heads=n_heads,
             num_kv_heads=n_kv,
             head_dim=int(head_dim),
@@ -105,4 +123,25 @@ class ModelSpec:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             hidden_act=str(getattr(config, "hidden_act", "silu")),
             rope=rope,
+            sliding_windows=_sliding_windows(config, model_type, n_layers),
         )
+
+
+def _sliding_windows(config: Any, model_type: str, n_layers: int) -> tuple[int | None, ...] | None:
+    """Per-layer attention windows as transformers applies them (see :class:`ModelSpec`)."""
+    window = getattr(config, "sliding_window", None)
+    if model_type == "mistral":  # MistralModel windows every layer when sliding_window is set (layer_types unused)
+        out = [window] * n_layers
+    elif model_type in ("qwen2", "qwen3"):
+        types = getattr(config, "layer_types", None) or ["full_attention"] * n_layers
+        if len(types) != n_layers:
+            raise BadModel(f"layer_types lists {len(types)} layers, the model has {n_layers}")
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise BadModel(f"unsupported layer_types {unknown}; accepted: full_attention, sliding_attention")
+        out = [window if t == "sliding_attention" else None for t in types]
+    else:
+        out = [None] * n_layers
+    if any(w is not None and int(w) < 1 for w in out):
+        raise BadModel(f"sliding_window {window} must be >= 1")
+    return tuple(out) if any(w is not None for w in out) else None

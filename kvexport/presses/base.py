@@ -18,7 +18,7 @@ from kvexport.errors import BadUsage
 
 @dataclass
 class ScoreInputs:
-    """Everything a press may score with. The observation queries are the *last* Q candidates' queries.
+    """Everything a press may score with, in the *press order* of kvexport.cache.plan (rule 6).
 
     keys (B, Hc, S, Dk): candidate keys, post-RoPE (MLA: the latent ``[c_kv; k_pe]``, Hc = 1)
     values (B, Hc, S, Dv): candidate values (MLA: may be empty, Dv = 0)
@@ -28,6 +28,14 @@ class ScoreInputs:
     rotary: ``apply(x, pos)`` rotates queries like the keys; ``matrix(pos)`` gives R (P, Dk, Dk)
     scaling: softmax scale of the attention logits
     n_keep: how many candidates the cache will keep per (batch, head) in this layer
+    sliding_window: the layer's attention window (None = unlimited): key j is visible to query t iff
+        ``0 <= pos_j <= pos_t`` and ``pos_t - pos_j < sliding_window`` (:func:`kvexport.models.attention.visible`)
+
+    What the cache guarantees (rule 6): invalid candidates (position -1: empty slots, padding) come first and
+    the valid ones after, in position order, so the last candidates are the newest real tokens; a row's real
+    observation queries are its *last* queries, and the tokens of its last ``n`` real queries are its last ``n``
+    candidates. Invalid candidates are never kept whatever they score. A press must score a valid candidate
+    the same whatever invalid entries precede it (the static graphs have more of them than the PyTorch cache).
     """
 
     keys: torch.Tensor
@@ -40,11 +48,17 @@ class ScoreInputs:
     layer_idx: int
     num_layers: int
     n_keep: int
+    sliding_window: int | None = None
 
     @property
     def valid(self) -> torch.Tensor:
         """(B, Hc, S) bool: candidate is a real token."""
         return self.positions >= 0
+
+    @property
+    def n_real_queries(self) -> torch.Tensor:
+        """(B,) int64: how many observation queries of each row are real tokens (they are the last ones)."""
+        return (self.query_positions >= 0).sum(-1)
 
 
 @dataclass

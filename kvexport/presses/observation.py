@@ -8,8 +8,10 @@ Conventions (see :class:`~kvexport.presses.base.ScoreInputs`):
 - Hq query heads share Hc cache heads, ``G = Hq // Hc``; query head ``h`` reads cache head ``h // G``
   (HF's ``repeat_kv`` layout). MLA latent caches have Hc = 1 and G = Hq.
 - The observation queries are pre-RoPE and rotated here with ``inputs.rotary.apply(q, query_positions)``.
-- Key j is visible to query t iff ``0 <= pos_k[j] <= pos_q[t]`` and the query is real (``pos_q >= 0``),
-  the same rule as :func:`kvexport.models.attention.grouped_attention`.
+- Key j is visible to query t by :func:`kvexport.models.attention.visible` (causal by position, the layer's
+  sliding window, padding never visible), the rule attention itself uses.
+- The real queries of a row are its last ones, and their tokens are its last candidates (kvexport.cache.plan
+  rule 6); padding queries contribute nothing.
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ def query_valid(inputs: ScoreInputs, last: int | None = None) -> torch.Tensor:
 
 
 def visible(inputs: ScoreInputs, last: int | None = None) -> torch.Tensor:
-    """(B, Hc, Q', S) bool: candidate j visible to observation query t (causal by position, no padding)."""
+    """(B, Hc, Q', S) bool: candidate j visible to (real) observation query t."""
+    from kvexport.models.attention import visible as visible_by_position
+
     qp = inputs.query_positions if last is None else inputs.query_positions[:, -last:]
-    kp = inputs.positions[:, :, None, :]  # (B, Hc, 1, S)
-    qq = qp[:, None, :, None]  # (B, 1, Q', 1)
-    return (kp >= 0) & (kp <= qq) & (qq >= 0)
+    return visible_by_position(qp, inputs.positions, inputs.sliding_window) & (qp >= 0)[:, None, :, None]
 
 
 def observation_probs(inputs: ScoreInputs, last: int | None = None) -> torch.Tensor:
@@ -63,8 +65,11 @@ def keep_always(scores: torch.Tensor, keep: torch.Tensor, valid: torch.Tensor) -
     return torch.where(keep, top, scores)
 
 
-def last_candidates(inputs: ScoreInputs, n: int) -> torch.Tensor:
-    """(1, 1, S) bool: the last ``n`` candidate slots (the observation tokens at prefill and decode)."""
+def last_candidates(inputs: ScoreInputs, n) -> torch.Tensor:
+    """(B or 1, 1, S) bool: the last ``n`` candidates (an int, or (B,) per row): the tokens of the last ``n`` real
+    observation queries at prefill and decode."""
     S = inputs.keys.shape[2]
     idx = torch.arange(S, device=inputs.keys.device)
-    return (idx >= S - n)[None, None, :]
+    if isinstance(n, int):
+        return (idx >= S - n)[None, None, :]
+    return (idx[None, :] >= S - n[:, None])[:, None, :]

@@ -1,14 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Analytic KV-cache size per sequence: what a deployment keeps resident for one sequence.
+"""Analytic cache size per sequence: the one formula of what a deployment keeps resident.
 
 Elements cached per token and layer:
     GQA/MHA:  2 * n_kv * d_h             (keys and values of every KV head)
     MLA:      r_kv + d_rope              (the shared latent and the decoupled RoPE key; X-EcoMLA,
                                           see REFERENCE.md section 2), r_kv may differ per layer
-A static-budget cache allocates ``budget + window`` slots per layer once and never grows; a full
-cache holds every token of the context (a static export without a press allocates its whole
-``capacity`` up front: then that is what is resident). Position indices (int64 per slot and cache head) are
-counted apart in ``index_bytes`` (they are not K/V data).
+A static-budget cache allocates ``budget + window`` slots per layer once and never grows (PyramidKV: a budget
+per layer); a full cache holds every token of the context (a static export without a press allocates its whole
+``capacity`` up front: then that is what is resident).
+
+Memory as held (:meth:`CacheShape.resident_bytes_at`): every buffer a sequence keeps, not only K/V —
+positions (int64 per slot and cache head; one row per token for a growing past), the press's query ring
+(``window`` pre-RoPE queries per layer, ``query_heads x query_dim``, plus one int64 position row), the logits
+buffer, and for a runtime that ping-pongs its caches (onnxruntime) a second copy of every cache buffer. The
+runtimes report what they allocated (``resident_bytes()``); tests hold the two together.
 """
 
 from __future__ import annotations
@@ -19,7 +24,12 @@ from typing import Any
 
 @dataclass(frozen=True)
 class CacheShape:
-    """The cache layout of one model: ``mla_ranks`` None = GQA/MHA, else one r_kv per layer."""
+    """The cache layout of one model: ``mla_ranks`` None = GQA/MHA, else one r_kv per layer.
+
+    ``budget``: tokens kept per layer (None = full cache); ``layer_budgets`` overrides it per layer (PyramidKV).
+    ``capacity``: a full cache allocated once at a fixed size (a static export without a press).
+    ``query_heads`` / ``query_dim``: the query ring's shape (GQA: num_heads x head_dim; MLA: r_kv + d_rope).
+    """
 
     num_layers: int
     num_kv_heads: int
@@ -29,23 +39,40 @@ class CacheShape:
     budget: int | None = None  # None = full cache (grows with the context)
     window: int = 0
     dtype_bytes: int = 4
-    #: a full cache allocated once at a fixed capacity (a static export without a press), else None
     capacity: int | None = None
+    query_heads: int | None = None
+    query_dim: int | None = None
+    vocab_size: int = 0
+    layer_budgets: tuple[int, ...] | None = None
+
+    def _ranks(self) -> list[int]:
+        r = list(self.mla_ranks)
+        return r * self.num_layers if len(r) == 1 else r
 
     def elements_per_token(self) -> list[int]:
         """Per layer: cached elements per token."""
         if self.mla_ranks is not None:
-            return [int(r) + int(self.rope_dim) for r in self.mla_ranks]
+            return [int(r) + int(self.rope_dim) for r in self._ranks()]
         return [2 * self.num_kv_heads * self.head_dim] * self.num_layers
 
     def cache_heads(self) -> int:
         return 1 if self.mla_ranks is not None else self.num_kv_heads
 
-    def slots(self, context: int) -> int:
+    @property
+    def evicting(self) -> bool:
+        return self.budget is not None or self.layer_budgets is not None
+
+    def layer_slots(self, context: int) -> list[int]:
         """Slots allocated per layer for a sequence of ``context`` tokens."""
-        if self.budget is None:
-            return int(self.capacity) if self.capacity else int(context)
-        return int(self.budget) + int(self.window)
+        if self.layer_budgets is not None:
+            return [int(b) + int(self.window) for b in self.layer_budgets]
+        if self.budget is not None:
+            return [int(self.budget) + int(self.window)] * self.num_layers
+        return [int(self.capacity) if self.capacity else int(context)] * self.num_layers
+
+    def slots(self, context: int) -> int:
+        """Slots of the largest layer (all layers unless PyramidKV)."""
+        return max(self.layer_slots(context))
 
     def bytes_per_token(self) -> int:
         """K/V bytes per cached token, all layers."""
@@ -53,35 +80,80 @@ class CacheShape:
 
     def bytes_at(self, context: int, batch: int = 1) -> int:
         """K/V bytes resident for ``batch`` sequences of ``context`` tokens."""
-        return batch * self.slots(context) * self.bytes_per_token()
+        return batch * self.dtype_bytes * sum(s * e for s, e in zip(self.layer_slots(context),
+                                                                       self.elements_per_token(), strict=True))
 
     def index_bytes_at(self, context: int, batch: int = 1) -> int:
-        if self.budget is None and not self.capacity:
-            return 0
-        return batch * self.num_layers * self.cache_heads() * self.slots(context) * 8
+        """int64 positions of a static cache (per slot and cache head); a growing past keeps one row per token."""
+        if not self.evicting and not self.capacity:
+            return batch * int(context) * 8
+        return batch * self.cache_heads() * sum(self.layer_slots(context)) * 8
+
+    def resident_bytes_at(self, context: int, batch: int = 1, double_buffered: bool = False) -> dict[str, int]:
+        """Every byte held for ``batch`` sequences of ``context`` tokens, by kind, and ``total``.
+
+        double_buffered: the runtime keeps a second copy of every cache buffer (onnxruntime's ping-pong).
+        """
+        out = {"kv": self.bytes_at(context, batch), "positions": self.index_bytes_at(context, batch),
+               "queries": 0, "query_positions": 0}
+        if self.evicting:
+            if self.query_heads is None:
+                raise ValueError("resident bytes of an evicting cache need query_heads (and query_dim for GQA)")
+            dims = self.elements_per_token() if self.mla_ranks is not None else [self.query_dim or self.head_dim] * \
+                self.num_layers
+            out["queries"] = batch * self.query_heads * self.window * sum(dims) * self.dtype_bytes
+            out["query_positions"] = batch * self.window * 8
+        out["double_buffers"] = sum(out.values()) if double_buffered else 0
+        out["logits"] = batch * self.vocab_size * self.dtype_bytes
+        out["total"] = sum(out.values())
+        return out
+
+    @classmethod
+    def from_export(cls, settings: dict[str, Any]) -> "CacheShape":
+        """The cache of an export directory (its manifest ``settings``)."""
+        spec = settings["spec"]
+        mla = settings.get("mla")
+        ranks = tuple(int(r) for r in mla["kv_ranks"]) if mla else None
+        budgets = settings.get("budgets")
+        static = settings["mode"] == "static"
+        return cls(int(settings["num_layers"]), int(spec["num_kv_heads"]), int(spec["head_dim"]), ranks,
+                   int(mla["rope_dim"]) if mla else 0, budget=int(max(budgets)) if budgets else None,
+                   window=int(settings["window"] or 0), dtype_bytes={"fp32": 4, "fp16": 2, "bf16": 2}[settings["dtype"]],
+                   capacity=int(min(settings["capacities"])) if static and not budgets else None,
+                   query_heads=int(spec["num_heads"]), query_dim=None if ranks else int(spec["head_dim"]),
+                   vocab_size=int(settings["vocab_size"]),
+                   layer_budgets=tuple(int(b) for b in budgets) if budgets and len(set(budgets)) > 1 else None)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
             "mla_ranks": list(self.mla_ranks) if self.mla_ranks is not None else None,
             "rope_dim": self.rope_dim, "budget": self.budget, "window": self.window,
+            "layer_budgets": list(self.layer_budgets) if self.layer_budgets is not None else None,
             "dtype_bytes": self.dtype_bytes, "capacity": self.capacity, "bytes_per_token": self.bytes_per_token(),
+            "query_heads": self.query_heads, "query_dim": self.query_dim, "vocab_size": self.vocab_size,
         }
 
 
 def full_cache_of(shape: CacheShape) -> CacheShape:
     """The uncompressed baseline of the same model: GQA, full cache, same dtype."""
-    return CacheShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, None, 0, None, 0, shape.dtype_bytes)
+    return CacheShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, None, 0, None, 0, shape.dtype_bytes,
+                      query_heads=shape.query_heads, vocab_size=shape.vocab_size)
 
 
 def cache_table(shape: CacheShape, contexts: list[int], batch: int = 1) -> dict[str, Any]:
-    """Per context: bytes of this cache, of the full-cache baseline, and their ratio."""
+    """Per context: K/V bytes of this cache and of the full-cache baseline, their ratio, index bytes, and the
+    resident bytes (every buffer, :meth:`CacheShape.resident_bytes_at`) when the shape knows its query ring."""
     base = full_cache_of(shape)
     rows = []
     for c in contexts:
         b, f = shape.bytes_at(c, batch), base.bytes_at(c, batch)
-        rows.append({"context": int(c), "kv_bytes": b, "baseline_kv_bytes": f, "ratio": f / b if b else None,
-                     "index_bytes": shape.index_bytes_at(c, batch)})
+        row = {"context": int(c), "kv_bytes": b, "baseline_kv_bytes": f, "ratio": f / b if b else None,
+               "index_bytes": shape.index_bytes_at(c, batch)}
+        if shape.query_heads is not None or not shape.evicting:
+            row["resident_bytes"] = shape.resident_bytes_at(c, batch)["total"]
+            row["baseline_resident_bytes"] = base.resident_bytes_at(c, batch)["total"]
+        rows.append(row)
     return {
         "shape": shape.to_dict(),
         "bytes_per_token": shape.bytes_per_token(),

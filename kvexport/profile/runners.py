@@ -64,6 +64,10 @@ class PyTorchRunner:
         self.next_pos = t.shape[1]
         return int(logits[0, -1].argmax())
 
+    def resident_bytes(self) -> dict[str, int]:
+        """What the PyTorch cache holds now, by kind (:meth:`kvexport.cache.static_cache.StaticCache.resident_bytes`)."""
+        return self.cache.resident_bytes() if self.cache is not None else {"total": 0}
+
     def decode(self, token: int) -> int:
         import torch
 
@@ -108,6 +112,10 @@ class OrtRunner:
 
     def decode(self, token: int) -> int:
         return int(self.gen.decode(np.array([int(token)], np.int64)).argmax(-1)[0])
+
+    def resident_bytes(self) -> dict[str, int]:
+        """What the generator holds now, read from its allocations (:meth:`OrtGenerator.resident_bytes`)."""
+        return self.gen.resident_bytes()
 
 
 class TensorRTRunner(OrtRunner):

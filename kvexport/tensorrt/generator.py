@@ -110,11 +110,27 @@ class TrtGenerator(OrtGenerator):
     # ------------------------------------------------------------------ buffers: one live tensor per cache input
     def _alloc(self) -> None:
         self._init_cache_layout()
-        self.state: dict[str, Any] = {}
+        self.tensors: dict[str, Any] = {}
+        self.arrays = {}
         self._logits = None
 
+    def _logits_now(self) -> np.ndarray:
+        return _to_numpy(self._logits).copy()
+
     def _reset_buffers(self) -> None:
-        self.state = {n: a.copy() for n, a in self.initial.items()}  # moved to the device by the first call
+        self.tensors = {n: self._empty(n) for n in self.shapes}  # moved to the device by the first call
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of the live cache tensors (device or host), by kind, and ``total``."""
+        from kvexport.export.runtime import _kind
+
+        out = dict.fromkeys(("kv", "positions", "queries", "query_positions", "logits"), 0)
+        for n, t in self.tensors.items():
+            out[_kind(n)] += int(t.nbytes) if hasattr(t, "nbytes") else int(t.numel() * t.element_size())
+        if self._logits is not None:
+            out["logits"] = _to_numpy(self._logits).nbytes
+        out["total"] = sum(out.values())
+        return out
 
     def _call(self, graph: str, feeds: dict) -> dict:
         r = self.runners[graph]
@@ -127,30 +143,16 @@ class TrtGenerator(OrtGenerator):
         ins, outs, _ = self._io_plan(graph)
         feed = dict(feeds)
         for name, base in ins:
-            feed[name] = self.state[base]
+            feed[name] = self.tensors[base]
         out = self._call(graph, feed)
         for name, base in outs:
             if base is None:
                 self._logits = out[name]
             else:
-                self.state[base] = out[name]
-
-    @property
-    def logits(self):  # what OrtGenerator reads with .numpy()
-        return _HostView(self._logits)
+                self.tensors[base] = out[name]
 
     def _positions_now(self) -> list[np.ndarray]:
-        return [_to_numpy(self.state[f"pos_{i}"]).copy() for i in range(len(self.layers))]
-
-class _HostView:
-    """``.numpy()`` on a device or host tensor (what the inherited host logic calls on ``self.logits``)."""
-
-    def __init__(self, x):
-        self.x = x
-
-    def numpy(self) -> np.ndarray:
-        return _to_numpy(self.x)
-
+        return [_to_numpy(self.tensors[f"pos_{i}"]).copy() for i in range(len(self.layers))]
 
 def _real_runner_factory() -> Callable:
     from kvexport.tensorrt.backend import import_tensorrt

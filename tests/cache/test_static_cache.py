@@ -71,7 +71,7 @@ def test_shape_and_memory_constant_over_500_steps(model, name):
                 for lc in cache.layers] == buffers
         assert all(lc.fill <= lc.capacity for lc in cache.layers)
     assert cache.nbytes() == nbytes
-    assert cache.compactions == 500 // WINDOW
+    assert cache.compactions == 500 // WINDOW + 1  # one at the prefill (40 tokens > budget), then every WINDOW steps
     assert torch.isfinite(logits).all()
 
 
@@ -90,7 +90,7 @@ def test_prompt_lengths(model, name, n):
     prefill(dec, cache, ids, torch.arange(n)[None])
     check_kept(cache.kept_positions(), budgets, n)
     if n <= min(budgets):
-        assert all(torch.equal(p[0, 0], torch.arange(n)) for p in cache.kept_positions())
+        assert all(torch.equal(p[0, 0][p[0, 0] >= 0], torch.arange(n)) for p in cache.kept_positions())
     press = build_press(name, dec, ids)
     res = generate(dec, ids, press=press, window=WINDOW, max_new_tokens=40, keep_logits=True, track_kept=True)
     full = generate(dec, ids, press=None, max_new_tokens=40, keep_logits=True)
@@ -214,7 +214,8 @@ def test_small_chunks_equal_single_shot_for_chunk_invariant_presses(model, name)
         assert all(lc.fill == BUDGET for lc in cache.layers)
         out.append(cache.kept_positions())
     if name == "streaming_llm":
-        assert out[0][0][0, 0].tolist() == [0, 1, 2, 3] + list(range(61 - BUDGET + 4, 61))
+        first = out[0][0][0, 0]
+        assert first[first >= 0].tolist() == [0, 1, 2, 3] + list(range(61 - BUDGET + 4, 61))
         assert all(torch.equal(a, b) for a, b in zip(*out, strict=True))
     else:
         assert torch.equal(out[0][0], out[1][0])

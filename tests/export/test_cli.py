@@ -8,11 +8,11 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 
 from kvexport.cli import main
 from kvexport.paths import MODELS_DIR
 
-pytest.importorskip("onnxruntime")
 TOKENIZER = MODELS_DIR / "tokenizer"
 
 
@@ -43,7 +43,7 @@ def exported(model_dir, tmp_path_factory):
 def test_cli_generate_and_validate(exported, capsys, model_dir):
     from kvexport.export import OrtGenerator
     from kvexport.export.exporter import press_from_dict
-    from kvexport.export.reference import torch_generate
+    from kvexport.generation import generate
     from kvexport.models.loading import load_decoder, load_tokenizer
 
     assert main(["generate", str(exported), "--prompt", "Once upon a time there was", "-n", "12"]) == 0
@@ -53,8 +53,9 @@ def test_cli_generate_and_validate(exported, capsys, model_dir):
     ids = np.array([tok("Once upon a time there was")["input_ids"]])
     gen = OrtGenerator(exported)
     dec, _ = load_decoder(model_dir)
-    ref = torch_generate(dec, gen.settings, ids, None, 12, eos_token_id=tok.eos_token_id,
-                         press=press_from_dict(gen.settings["press"]))
+    s = gen.settings  # the library path as a user calls it, with the export's settings
+    ref = generate(dec, torch.from_numpy(ids), press=press_from_dict(s["press"]), window=s["window"],
+                   chunk=s["chunk"], max_new_tokens=12, eos_token_id=tok.eos_token_id)
     assert repr(tok.decode(ref.tokens[0].tolist()))[:20] in printed.replace("\n", "")
     assert main(["validate", str(exported), "--steps", "16"]) == 0
     pair = json.loads((exported / "parity.json").read_text())["pairs"]["pytorch~onnxruntime"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import pytest
+import onnxruntime as ort  # noqa: E402
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,7 +13,6 @@ from onnx import TensorProto, helper
 
 from kvexport.export import ops
 
-ort = pytest.importorskip("onnxruntime")
 NP = {"fp32": np.float32, "fp16": np.float16}
 TP = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}
 

@@ -16,8 +16,6 @@ import pytest
 
 from tests.conftest import FAMILIES, FAMILY_IDS
 
-pytest.importorskip("onnxruntime")
-
 STEPS = 20  # validated decode steps per prompt: 5 decode compactions with window 4 (64 adds time, not coverage)
 CONFIGS = {
     "full": dict(dynamic_cache=True),
@@ -49,7 +47,7 @@ def _cases():
 def test_export_generate_validate(tiny_models, tmp_path, family, extra, config):
     from kvexport.export import OrtGenerator, export_model, validate, verify_manifest
     from kvexport.export.exporter import press_from_dict
-    from kvexport.export.reference import torch_generate
+    from kvexport.export.validation import reference_generate
 
     hf = tiny_models(family, **extra)
     out = export_model(hf, tmp_path / "x", **_press(CONFIGS[config]))
@@ -60,8 +58,8 @@ def test_export_generate_validate(tiny_models, tmp_path, family, extra, config):
     gen = OrtGenerator(out)
     res = gen.generate(ids, None, 20, keep_logits=True)
     dec_ref = _reference_decoder(hf, s)
-    ref = torch_generate(dec_ref, s, ids, None, 20, press=press_from_dict(s["press"]))
-    np.testing.assert_array_equal(res.tokens, ref.tokens)
+    ref = reference_generate(dec_ref, s, press_from_dict(s["press"]), ids, np.ones_like(ids), 20)
+    np.testing.assert_array_equal(res.tokens, ref.tokens.numpy())
     assert res.compactions == ref.compactions
     if s["press"] is not None:
         assert res.compactions > 0
@@ -115,7 +113,7 @@ def test_external_weights_are_shared_between_sessions(tiny_models, tmp_path, mon
     the results equal unshared sessions and the PyTorch reference."""
     from kvexport.export import OrtGenerator, export_model, exporter, verify_manifest
     from kvexport.export.exporter import press_from_dict
-    from kvexport.export.reference import torch_generate
+    from kvexport.export.validation import reference_generate
 
     monkeypatch.setattr(exporter, "EXTERNAL_DATA_BYTES", 0)
     hf = tiny_models("llama")
@@ -126,7 +124,7 @@ def test_external_weights_are_shared_between_sessions(tiny_models, tmp_path, mon
     shared, plain = OrtGenerator(out), OrtGenerator(out, share_weights=False)
     assert shared._shared and not plain._shared
     a, b = shared.generate(ids, None, 30, keep_logits=True), plain.generate(ids, None, 30, keep_logits=True)
-    ref = torch_generate(_reference_decoder(hf, s), s, ids, None, 30, press=press_from_dict(s["press"]))
-    np.testing.assert_array_equal(a.tokens, ref.tokens)
+    ref = reference_generate(_reference_decoder(hf, s), s, press_from_dict(s["press"]), ids, np.ones_like(ids), 30)
+    np.testing.assert_array_equal(a.tokens, ref.tokens.numpy())
     np.testing.assert_array_equal(a.tokens, b.tokens)
-    np.testing.assert_allclose(np.stack(a.step_logits), np.stack(ref.step_logits), atol=1e-4)
+    np.testing.assert_allclose(np.stack(a.step_logits), np.stack([x.numpy() for x in ref.step_logits]), atol=1e-4)

@@ -12,8 +12,6 @@ import pytest
 
 from kvexport.cli import main
 
-pytest.importorskip("onnxruntime")
-
 VOCAB = 320
 #: stderr lines that are progress output of transformers/torch, not kvexport messages
 NOISE = re.compile(r"Loading weights|Writing model shards|torchvision|^W\d{4} ")

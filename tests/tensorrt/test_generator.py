@@ -13,14 +13,13 @@ import json
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort  # noqa: E402
 import pytest
 
 from kvexport.cli import main
 from kvexport.errors import BadArtifact
 from kvexport.export.manifest import MANIFEST, sha256_file, write_manifest
 from kvexport.tensorrt.generator import ENGINE_KIND, TrtGenerator
-
-ort = pytest.importorskip("onnxruntime")
 
 
 class OnnxAsEngine:
@@ -136,7 +135,6 @@ def test_profile_runner_on_tensorrt_steps_like_onnxruntime(exported):
      "{d}.json"],
 ])
 def test_without_tensorrt_one_line_exit_5(exported, argv, capsys):
-    pytest.importorskip("kvexport.tensorrt.backend")
     try:
         import tensorrt  # noqa: F401
         import torch

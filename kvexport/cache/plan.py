@@ -1,0 +1,236 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The rules of a static KV cache, stated once: where a token goes, when the cache is compacted, which
+slots are padding, which queries observe, how positions advance.
+
+Every runtime is a thin driver of this module: the PyTorch cache (:mod:`kvexport.cache.static_cache`), the
+exported graphs (:mod:`kvexport.export.graphs`, through :mod:`kvexport.cache.candidates`) and the host loops
+of onnxruntime and TensorRT (:class:`kvexport.export.runtime.OrtGenerator`). None of them computes a slot, a
+fill count, a chunk boundary or a ring index itself; they ask a :class:`CacheState`.
+
+Layout of layer i, capacity ``cap_i = budget_i + window``::
+
+    slots [0, fill_i)        occupied: kept and decoded tokens, in position order
+    slots [fill_i, cap_i)    empty, position -1
+    query ring (window)      queries of the last ``window`` decoded tokens (what a press observes with)
+
+Rules
+1. Positions: a row's real tokens are numbered from 0; left padding has position -1; the next token of a row
+   takes the row's largest position + 1 (:func:`positions_from_mask`, :func:`next_positions`).
+2. Prefill: the prompt's columns are fed in chunks of ``chunk`` columns (all of them at once when None). A
+   runtime whose chunk width is static pads a short last chunk at its *front* (id 0, position -1), so the real
+   columns end the chunk and its last column is the prompt's last token (:meth:`CachePlan.chunks`).
+3. A chunk's candidates are the occupied slots followed by the chunk's real columns; padding columns are never
+   candidates (never kept, never attended, never observing). When ``fill_i + n_real > budget_i`` the press
+   scores the candidates and the best ``budget_i`` are kept, in candidate order, in slots [0, budget_i);
+   otherwise all of them are. Then ``fill_i = min(fill_i + n_real, budget_i)``. The chunk's queries observe
+   (the prefill never writes the query ring). Without a press there is no budget: a chunk that does not fit the
+   capacity is refused (:class:`CacheFull`).
+4. Decode: the token goes to slot ``fill_i`` of every layer and its query to ring slot ``step % window``
+   (``step`` = decode steps since the prefill); then ``fill_i += 1``.
+5. Compaction: when a decode step leaves any layer full (``fill_i == cap_i``), every layer is compacted: the
+   candidates are its occupied slots, the observation is the query ring read oldest first. At least ``window``
+   decode steps separate a compaction from the prefill and from the previous one (``fill_i <= budget_i``
+   after either), so the ring then holds exactly the last ``window`` decoded queries. ``fill_i = min(fill_i,
+   budget_i)``. Without a press a full cache refuses the next token (:class:`CacheFull`).
+6. What a press sees: the candidates in *press order*: invalid entries (empty slots, padding columns) first,
+   then the valid ones in candidate order. So the last candidates are always the newest real tokens, and the
+   observation queries' real entries are their last ones and belong to the last candidates. Scores are rotated
+   back to candidate order, where entries of position -1 score -inf and ties go to the lower index (ONNX
+   ``TopK``'s rule; :func:`kvexport.cache.candidates.select_kept`). Presses must score a valid candidate the same
+   whatever invalid entries precede it (tests/presses check every registered press for that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvexport.errors import BadUsage
+
+
+class CacheFull(BadUsage):
+    """A full-cache (press-free) static cache cannot take the next token."""
+
+
+def positions_from_mask(attention_mask) -> np.ndarray:
+    """Rule 1. attention_mask (B, N) 0/1, left padded -> positions (B, N) int64, -1 on padding."""
+    m = np.asarray(attention_mask).astype(np.int64)
+    return np.where(m.astype(bool), np.cumsum(m, axis=-1) - 1, -1)
+
+
+def next_positions(positions) -> np.ndarray:
+    """Rule 1. positions (B, N) -> (B,) position of each row's next token."""
+    return np.asarray(positions).max(axis=1).astype(np.int64) + 1
+
+
+def ring_order(start: int, window: int) -> list[int]:
+    """Rule 5. Ring slots oldest first when the oldest entry sits at ``start``."""
+    return [(start + i) % window for i in range(window)]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Prompt columns [start, stop) fed as one chunk, preceded by ``pad`` padding columns (static width only)."""
+
+    start: int
+    stop: int
+    pad: int = 0
+
+    @property
+    def n_real(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def width(self) -> int:
+        return self.pad + self.n_real
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """The static shape of a cache: per-layer ``budgets``, the decode ``window``, whether a press compacts.
+
+    ``evicting=False``: a full cache, ``budgets`` are then the capacities and ``window`` is 0.
+    ``chunk``: the prefill chunk width (None = the caller feeds the prompt at once); ``static_chunk``: the
+    width is fixed (graphs), so a short last chunk is front-padded to it (rule 2).
+    """
+
+    budgets: tuple[int, ...]
+    window: int
+    evicting: bool
+    chunk: int | None = None
+    static_chunk: bool = False
+
+    def __post_init__(self):
+        if not self.budgets or min(self.budgets) < 1:
+            raise BadUsage(f"budgets {list(self.budgets)} must be >= 1 per layer")
+        if self.evicting and self.window < 1:
+            raise BadUsage(f"window {self.window} must be >= 1 when a press evicts")
+        if self.chunk is not None and self.chunk < 1:
+            raise BadUsage(f"chunk {self.chunk} must be >= 1")
+
+    @classmethod
+    def from_settings(cls, settings: dict) -> "CachePlan":
+        """The plan of a static export (manifest ``settings``)."""
+        evicting = settings.get("press") is not None
+        budgets = settings["budgets"] if evicting else settings["capacities"]
+        return cls(tuple(int(b) for b in budgets), int(settings["window"]) if evicting else 0, evicting,
+                   int(settings["chunk"]), static_chunk=True)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.budgets)
+
+    @property
+    def capacities(self) -> tuple[int, ...]:
+        return tuple(b + self.window for b in self.budgets)
+
+    def chunks(self, n_columns: int) -> list[Chunk]:
+        """Rule 2. How a prompt of ``n_columns`` columns is fed."""
+        if n_columns < 1:
+            raise BadUsage("the prompt is empty; give at least one token")
+        C = int(self.chunk or n_columns)
+        out = [Chunk(s, min(s + C, n_columns)) for s in range(0, n_columns, C)]
+        if self.static_chunk and out[-1].n_real < C:
+            out[-1] = Chunk(out[-1].start, out[-1].stop, C - out[-1].n_real)
+        return out
+
+    def check_fits(self, n_columns: int, new_tokens: int = 0) -> None:
+        """A full cache (no press) holds at most its capacity: the prompt plus ``new_tokens`` must fit."""
+        if not self.evicting and n_columns + new_tokens > min(self.capacities):
+            raise CacheFull(f"prompt ({n_columns} tokens) + {new_tokens} new tokens do not fit this full cache's "
+                            f"capacity {min(self.capacities)}; export with a larger --max-positions or a press")
+
+
+@dataclass(frozen=True)
+class PrefillStep:
+    """One chunk: ``fills`` before it (what a graph takes), whether each layer compacts, ``n_real`` columns."""
+
+    fills: tuple[int, ...]
+    compacts: tuple[bool, ...]
+    n_real: int
+
+    @property
+    def any_compaction(self) -> bool:
+        return any(self.compacts)
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One decode step: ``slots`` per layer (= fills before it), the query ring slot, whether a compaction follows
+    (and the fills it sees)."""
+
+    slots: tuple[int, ...]
+    query_slot: int
+    compact: bool
+    fills_after: tuple[int, ...]
+
+
+@dataclass
+class CacheState:
+    """The bookkeeping of one batch of sequences under a :class:`CachePlan`; changed only by these methods."""
+
+    plan: CachePlan
+    fills: list[int] = field(default_factory=list)
+    steps: int = 0  # decode steps since the prefill
+    compactions: int = 0
+
+    def __post_init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.fills = [0] * self.plan.num_layers
+        self.steps = 0
+        self.compactions = 0
+
+    def prefill(self, n_real: int) -> PrefillStep:
+        """Rule 3, for a chunk of ``n_real`` real columns."""
+        if self.steps:
+            raise BadUsage("a prefill chunk after decode steps; reset the cache for a new prompt")
+        p = self.plan
+        if not p.evicting:
+            if any(f + n_real > c for f, c in zip(self.fills, p.capacities, strict=True)):
+                raise CacheFull(f"a chunk of {n_real} tokens does not fit: {max(self.fills)} of "
+                                f"{min(p.capacities)} slots used; export with a larger --max-positions or a press")
+            step = PrefillStep(tuple(self.fills), (False,) * p.num_layers, n_real)
+            self.fills = [f + n_real for f in self.fills]
+            return step
+        compacts = tuple(f + n_real > b for f, b in zip(self.fills, p.budgets, strict=True))
+        step = PrefillStep(tuple(self.fills), compacts, n_real)
+        self.fills = [min(f + n_real, b) for f, b in zip(self.fills, p.budgets, strict=True)]
+        if step.any_compaction:
+            self.compactions += 1
+        return step
+
+    def decode(self) -> DecodeStep:
+        """Rule 4 (and whether rule 5 follows)."""
+        p = self.plan
+        caps = p.capacities
+        if any(f >= c for f, c in zip(self.fills, caps, strict=True)):  # only a press-free cache gets here
+            raise CacheFull(f"the cache is full ({min(caps)} slots): a full-cache export holds at most its "
+                            "capacity; export with a larger --max-positions or a press")
+        slots = tuple(self.fills)
+        q = self.steps % p.window if p.window else 0
+        self.fills = [f + 1 for f in self.fills]
+        self.steps += 1
+        compact = p.evicting and any(f >= c for f, c in zip(self.fills, caps, strict=True))
+        return DecodeStep(slots, q, compact, tuple(self.fills))
+
+    def compact(self) -> tuple[int, ...]:
+        """Rule 5: the fills the compaction sees; afterwards every layer holds at most its budget."""
+        seen = tuple(self.fills)
+        self.fills = [min(f, b) for f, b in zip(self.fills, self.plan.budgets, strict=True)]
+        self.compactions += 1
+        return seen
+
+    @property
+    def query_start(self) -> int:
+        """Rule 5: the ring slot of the oldest observation query."""
+        return self.steps % self.plan.window if self.plan.window else 0
+
+    def query_order(self) -> list[int]:
+        return ring_order(self.query_start, self.plan.window)
+
+
+__all__ = ["CachePlan", "CacheState", "CacheFull", "Chunk", "PrefillStep", "DecodeStep", "positions_from_mask",
+           "next_positions", "ring_order"]
