@@ -16,11 +16,18 @@ ENERGY_HELP = "Instead of --mla-rank: per-layer rank = smallest with cumulative 
 ROPE_HELP = "Decoupled RoPE key width d_rope (even, <= head_dim)."
 
 
-def _settings(mla_rank, mla_energy, rope_dim, rope_init="xeco", q_rank=None, naive=False):
+ROPE_INIT_HELP = ("How the RoPE part is made: rorope (TransMLA's rotation across KV heads, default), perhead "
+                  "(MHA2MLA's per-head partial RoPE), xeco (X-EcoMLA: head-averaged key, evenly spaced pairs), norm "
+                  "(head-averaged key, 2-norm pairs).")
+FIT_HELP = "Latent fit: wpca (query/output-weighted PCA on --calib, default), pca, or svd (weights only, X-EcoMLA)."
+HORIZON_HELP = "Relative distances (tokens) the RoPE components are scored and the dropped ones averaged over."
+
+
+def _settings(mla_rank, mla_energy, rope_dim, rope_init=None, q_rank=None, naive=False, kv_fit=None, horizon=None):
     from kvexport.mla.config import MLASettings
 
-    return MLASettings(kv_rank=mla_rank, energy=mla_energy, rope_dim=rope_dim, rope_init=rope_init, q_rank=q_rank,
-                       absorb=not naive)
+    kw = {k: v for k, v in (("rope_init", rope_init), ("kv_fit", kv_fit), ("rope_horizon", horizon)) if v is not None}
+    return MLASettings(kv_rank=mla_rank, energy=mla_energy, rope_dim=rope_dim, q_rank=q_rank, absorb=not naive, **kw)
 
 
 def _calibration(path: Optional[Path], tokenizer, vocab: int):
@@ -70,9 +77,11 @@ def rewrite_cmd(
     mla_rank: Optional[int] = typer.Option(None, "--mla-rank", help=RANK_HELP),
     mla_energy: Optional[float] = typer.Option(None, "--mla-energy", help=ENERGY_HELP),
     rope_dim: int = typer.Option(32, "--rope-dim", help=ROPE_HELP),
-    rope_init: str = typer.Option("xeco", "--rope-init", help="xeco (evenly spaced pairs) or norm (2-norm on --calib)."),
+    rope_init: Optional[str] = typer.Option(None, "--rope-init", help=ROPE_INIT_HELP),
+    kv_fit: Optional[str] = typer.Option(None, "--kv-fit", help=FIT_HELP),
+    rope_horizon: Optional[int] = typer.Option(None, "--rope-horizon", help=HORIZON_HELP + " Default 2048."),
     q_rank: Optional[int] = typer.Option(None, "--q-rank", help="Low-rank query r_q (default: full W_Q)."),
-    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text (rope-init norm, Qwen3 k_norm)."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text (default: seeded random token ids)."),
     naive: bool = typer.Option(False, "--naive", help="Use the decompressed attention path (default: absorbed)."),
     dtype: str = typer.Option("fp32", help="fp32, fp16 or bf16."),
 ) -> None:
@@ -85,11 +94,11 @@ def rewrite_cmd(
     from kvexport.mla.rewrite import rewrite_to_mla
     from kvexport.models.loading import load_decoder, load_tokenizer
 
-    settings = _settings(mla_rank, mla_energy, rope_dim, rope_init, q_rank, naive)
+    settings = _settings(mla_rank, mla_energy, rope_dim, rope_init, q_rank, naive, kv_fit, rope_horizon)
     spec, mla_cfg, _ = _spec_of(model)
     if mla_cfg is not None:
         raise BadUsage(f"{model} is already an MLA model")
-    settings.check_model(spec.head_dim, spec.hidden_size, spec.num_kv_heads)
+    settings.check_model(spec.head_dim, spec.hidden_size, spec.num_kv_heads, spec.qk_norm)
     if out.exists() and not out.is_dir():
         raise BadUsage(f"--out {out} is a file; give a directory path")
     if out.exists() and any(out.iterdir()):
@@ -132,7 +141,7 @@ def inspect_cmd(
     elif mla_rank is not None or mla_energy is not None:
         rope_dim = 32 if rope_dim is None else rope_dim
         settings = _settings(mla_rank, mla_energy, rope_dim)
-        settings.check_model(spec.head_dim, spec.hidden_size, spec.num_kv_heads)
+        settings.check_model(spec.head_dim, spec.hidden_size, spec.num_kv_heads, spec.qk_norm)
         if mla_energy is not None:
             from kvexport.mla.rewrite import rewrite_to_mla
             from kvexport.models.loading import load_decoder
@@ -180,13 +189,18 @@ def distill_cmd(
     batch_size: int = typer.Option(8, "--batch-size", help="Sequences per global batch (split over processes)."),
     lr: float = typer.Option(1e-4, "--lr", help="AdamW learning rate."),
     ce_weight: float = typer.Option(0.0, "--ce-weight", help="Weight of next-token cross-entropy added to the KL."),
+    warmup: float = typer.Option(0.05, "--warmup", help="Linear warm-up, as a fraction of the steps."),
+    min_lr: float = typer.Option(0.1, "--min-lr", help="Cosine decay ends at this fraction of --lr (1 = constant)."),
+    copy_fraction: float = typer.Option(0.5, "--copy-fraction",
+                                        help="Fraction of each batch's sequences with a span repeated later (recall)."),
     save_every: int = typer.Option(100, "--save-every", help="Checkpoint every N steps (and at the end)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in --out."),
     seed: int = typer.Option(0, "--seed", help="Data order and init seed."),
     mla_rank: Optional[int] = typer.Option(None, "--mla-rank", help=RANK_HELP + " Rewrites an HF student first."),
     mla_energy: Optional[float] = typer.Option(None, "--mla-energy", help=ENERGY_HELP),
     rope_dim: int = typer.Option(32, "--rope-dim", help=ROPE_HELP),
-    rope_init: str = typer.Option("xeco", "--rope-init", help="xeco or norm (2-norm on the training data)."),
+    rope_init: Optional[str] = typer.Option(None, "--rope-init", help=ROPE_INIT_HELP),
+    kv_fit: Optional[str] = typer.Option(None, "--kv-fit", help=FIT_HELP + " Calibrated on the training data."),
     cpu: bool = typer.Option(False, "--cpu", help="Stay on the CPU even when a GPU is present."),
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar (logs still written)."),
 ) -> None:
@@ -198,7 +212,7 @@ def distill_cmd(
     from kvexport.models.loading import load_decoder, load_tokenizer
 
     cfg = DistillConfig(tokens=tokens, seq_len=seq_len, batch_size=batch_size, lr=lr, ce_weight=ce_weight,
-                        save_every=save_every, seed=seed)
+                        save_every=save_every, seed=seed, warmup=warmup, min_lr=min_lr, copy_fraction=copy_fraction)
     out = out or Path(str(Path(student)).rstrip("/") + "-distilled")
     check_out_dir(out, resume)
     if not data.is_file():
@@ -215,9 +229,9 @@ def distill_cmd(
         if mla_rank is None and mla_energy is None:
             raise BadUsage(f"{student} is not an MLA directory; give --mla-rank R (or --mla-energy δ) and "
                            "--rope-dim D to rewrite it first")
-        settings = _settings(mla_rank, mla_energy, rope_dim, rope_init)
+        settings = _settings(mla_rank, mla_energy, rope_dim, rope_init, kv_fit=kv_fit)
         spec, _, _ = _spec_of(student)
-        settings.check_model(spec.head_dim, spec.hidden_size, spec.num_kv_heads)
+        settings.check_model(spec.head_dim, spec.hidden_size, spec.num_kv_heads, spec.qk_norm)
     s_spec, _, _ = _spec_of(student)
     t_spec, _, _ = _spec_of(teacher)
     if s_spec.vocab_size != t_spec.vocab_size:

@@ -58,14 +58,15 @@ def combo_study(model_path: str, taskset, press: str = "expected_attention", tar
                 rope_dim: int | None = None, distill_settings=None, cache_dir=None, log=None) -> dict:
     """-> {"rows": [...], "table": markdown, ...}. MLA students are distilled from the model itself
     (``distill_settings.budgets[-1]`` tokens) with :func:`kvexport.eval.mla_study.distilled_students`."""
-    from kvexport.eval.data import train_tokens
     from kvexport.eval.mla_study import (
         DEFAULT_CACHE,
         DistillSettings,
         distilled_students,
         load_mla,
         original_elements,
-        ranks_for_ratios,
+        plan_ranks,
+        rewrite_settings,
+        study_data,
     )
     from kvexport.eval.tasks import evaluate_tasks
     from kvexport.models.loading import load_decoder
@@ -83,10 +84,11 @@ def combo_study(model_path: str, taskset, press: str = "expected_attention", tar
     full_mem = context_elements(spec, orig, P)
     # MLA students: one per target, plus the milder ratios used under eviction
     mla_points = sorted({1.882, *targets})
-    plan = {p["target"]: p for p in ranks_for_ratios(spec, mla_points, rope_dim)}
-    ids = train_tokens(taskset.tok, ds.budgets[-1] + ds.seq_len, seed=ds.seed)
-    mla_dirs = {x: distilled_students(model_path, model_path, p["kv_rank"], p["rope_dim"], ds, ids, cache_dir, log)
-                [ds.budgets[-1]] for x, p in plan.items()}
+    data = study_data(taskset.tok, ds)
+    plan = {p["target"]: p for p in plan_ranks(model, mla_points, rope_dim, data, ds.seq_len, log)}
+    mla_dirs = {x: distilled_students(model_path, model_path, rewrite_settings(p["kv_rank"], p["rope_dim"], ds.seq_len),
+                                      ds, data["distill"], cache_dir, data["calib"], log)[ds.budgets[-1]]
+                for x, p in plan.items()}
     mla_models: dict = {}
 
     def mla(x):
@@ -117,7 +119,8 @@ def combo_study(model_path: str, taskset, press: str = "expected_attention", tar
                   "tokens held; decode window not counted; memory_ratio = full / this",
         "mla_ranks": list(plan.values()),
         "distill": {"teacher": "the model itself", "tokens": ds.budgets[-1], "seq_len": ds.seq_len,
-                    "batch_size": ds.batch_size, "lr": ds.lr},
+                    "batch_size": ds.batch_size, "lr": ds.lr, "warmup": ds.warmup, "min_lr": ds.min_lr,
+                    "copy_fraction": ds.copy_fraction},
         "tasks": taskset.describe(),
         "rows": rows,
         "table": combo_table(rows),

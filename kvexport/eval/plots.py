@@ -64,7 +64,7 @@ def plot_press_study(result: dict, path) -> None:
 
 def plot_mla_study(result: dict, path) -> None:
     """One panel per distillation token budget: accuracy vs KV-cache compression ratio, one line per teacher,
-    the original model dashed (X-EcoMLA's figure layout)."""
+    the undistilled rewrite dotted (when the result has it), the original model dashed (X-EcoMLA's layout)."""
     plt = _plt()
     budgets = list(next(iter(result["results"].values())).keys())
     fig, axes = plt.subplots(1, len(budgets), figsize=(6.2 * len(budgets), 4.4), sharey=True, squeeze=False)
@@ -74,22 +74,25 @@ def plot_mla_study(result: dict, path) -> None:
             pts = sorted(by_budget[b].values(), key=lambda r: r["ratio"])
             ax.plot([p["ratio"] for p in pts], [p["accuracy"] for p in pts], marker="o", ms=4, color=f"C{i}",
                     label=f"teacher {teacher}")
+        if result.get("undistilled"):
+            pts = sorted(result["undistilled"].values(), key=lambda r: r["ratio"])
+            ax.plot([p["ratio"] for p in pts], [p["accuracy"] for p in pts], marker="x", ms=4, color="gray", ls=":",
+                    label="undistilled rewrite")
         ax.axhline(base, color="black", ls="--", lw=1.5, label=f"{result['student']} (original, full cache)")
         ax.set_xscale("log")
         ticks = [p["ratio"] for p in result["ranks"]]
         ax.set_xticks(ticks)
-        ax.set_xticklabels([f"{t:.1f}×\nr={p['kv_rank']}" for t, p in zip(ticks, result["ranks"], strict=True)],
-                           fontsize=8)
+        ax.set_xticklabels([f"{t:.1f}×\nr={p['kv_rank']}+{p['rope_dim']}" for t, p in
+                            zip(ticks, result["ranks"], strict=True)], fontsize=8)
         ax.minorticks_off()
-        ax.set_xlabel("KV-cache compression (per token), latent rank r_kv")
+        ax.set_xlabel("KV-cache compression (per token), latent r_kv + RoPE d_rope")
         ax.set_title(f"distilled on {int(b):,} tokens", fontsize=10)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("accuracy (mean of next-token, code, passkey, span recall)")
     lo, hi = axes[0][0].get_ylim()
-    axes[0][0].set_ylim(lo, hi + 0.35 * (hi - lo))  # headroom for the legend above the baseline
+    axes[0][0].set_ylim(min(lo, 0.0), hi + 0.35 * (hi - lo))  # headroom for the legend above the baseline
     axes[0][0].legend(fontsize=8, loc="upper right", ncol=2)
-    fig.suptitle(f"MLA upcycling of {result['student']} (d_rope={result['ranks'][0]['rope_dim']})"
-                 f"{' (quick run)' if result.get('quick') else ''}", fontsize=10)
+    fig.suptitle(f"MLA upcycling of {result['student']}{' (quick run)' if result.get('quick') else ''}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,31 +1,38 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Multi-head latent attention (DeepSeek-V2, 2024; upcycled from GQA as in X-EcoMLA, 2025) over a latent cache.
+"""Multi-head latent attention (DeepSeek-V2, 2024) over a latent cache, in the form a GQA model rewrites into
+exactly (TransMLA, Meng et al. 2025; X-EcoMLA, Li et al. 2025, as one initialisation of it).
 
 Per token the cache holds one latent row ``[c_kv ; RoPE(k_pe)]`` of ``r_kv + d_rope`` elements, shared by
 all heads (cache_heads = 1, value_dim = 0: values are up-projected from ``c_kv = key[..., :r_kv]``).
 
-Head i (D = head_dim = d_nope + d_rope; per-head query layout ``[q_nope (d_nope) ; q_pe (d_rope)]``):
+Head i keeps the original model's query ``q_i`` (D = head_dim channels, after Qwen3's q_norm); two maps
+take it to the latent's frames (u = the latent inputs: h, and for Qwen3 also the normed GQA keys):
 
-    c_kv = W_DKV h                      (r_kv)          kv_a_proj, no bias
-    k_pe = W_KR h + b_KR                (d_rope)        k_rope_proj, shared by every head
-    [k_nope_i ; v_i] = W_UKV,i c_kv + b (d_nope + D)    kv_b_proj: rows per head [K-nope ; V]
-    score_ij = (q_nope_i · k_nope_ij + RoPE(q_pe_i) · RoPE(k_pe_j)) / sqrt(D)
+    c_kv   = W_DKV u                        (r_kv)        kv_a_proj, no bias
+    k_pe   = W_KR u + b_KR                  (d_rope)      k_rope_proj, one row shared by every head
+    q_pe,i = W_QR,i q_i                     (d_rope)      q_rope (Hq, d_rope, D)
+    [k_nope,i ; v_i] = W_UKV,i c_kv + b     (D + D)       kv_b_proj: rows per head [K-nope ; V]
+    score_ij = (q_i · k_nope,ij + RoPE(q_pe,i) · RoPE(k_pe,j)) / sqrt(D)
+
+The d_rope RoPE channels are frequency pairs in half-split layout (pair p = channels p and p + d_rope/2)
+with the frequencies ``inv_freq[plan.rope_pairs]``; a frequency may appear several times (one pair per
+KV head, or per rotated component, see :mod:`kvexport.mla.rope_plan`). With d_rope = n_kv · D and
+r_kv = n_kv · D the cache is the GQA cache (keys in the RoPE part, values in the latent) and the module
+reproduces the GQA attention exactly.
 
 Two paths, selectable per module with ``absorb``:
-- naive (decompressed): up-project every cached latent to per-head k_nope and v, attend per head.
-- absorbed: ``q̃_i = W_UK,iᵀ q_nope_i`` so the score is ``[q̃_i ; RoPE(q_pe_i)] · [c_j ; RoPE(k_pe_j)]``; attention
-  runs over the latent directly (:func:`latent_attention`, the LatentAttention custom op of
+- naive (decompressed): up-project every cached latent to per-head [k_nope ; RoPE(k_pe)] and v, attend.
+- absorbed: ``q̃_i = [W_UK,iᵀ q_i ; W_QR,i q_i]`` so the score is ``[q̃_i ; RoPE(.)] · [c_j ; RoPE(k_pe,j)]``;
+  attention runs over the latent directly (:func:`latent_attention`, the LatentAttention custom op of
   docs/custom_ops.md), then ``o_i = W_UV,i Σ_j p_ij c_j + b_V,i``.
 
-Biases: the K-nope bias adds ``q_nope_i · b_K,i`` to every logit of a query, a constant the softmax
-removes, so the absorbed path drops it exactly; the V bias passes through the convex combination
-(Σ_j p_ij = 1) and is added after W_UV. Both paths are therefore equal (to rounding), and at full rank
-they reproduce the original K-nope and V exactly.
+Biases: the K-nope bias adds ``q_i · b_K,i`` to every logit of a query, a constant the softmax removes, so
+the absorbed path drops it exactly; the V bias passes through the convex combination (Σ_j p_ij = 1) and
+is added after W_UV. Both paths are therefore equal (to rounding).
 
-RoPE: only the d_rope channels (the chosen frequency pairs of the original head, in half-split layout)
-are rotated, with the original frequencies: :attr:`rotary` rotates the last d_rope channels of a
-D-wide head (naive path), :attr:`score_rotary` the last d_rope channels of an ``r_kv + d_rope`` latent
-row (absorbed path, presses). The nope channels carry no position (partial RoPE, MHA2MLA).
+Qwen3 (q_norm, k_norm): q_norm stays on the query path. k_norm is per KV head and nonlinear, so the
+module keeps the GQA key projection and k_norm and feeds the normed keys to the latent projections
+(u = [h ; k_norm(W_K h)]): the cached row is still one latent row per token, and the rewrite stays exact.
 """
 
 from __future__ import annotations
@@ -50,15 +57,17 @@ def latent_attention(q, latent, q_positions, latent_positions, rank: int, scale:
     return latent_attention_reference(q, latent, q_positions, latent_positions, rank, scale)
 
 
+def latent_input_dim(spec: ModelSpec) -> int:
+    """Width of u, the latent projections' input: H, plus the n_kv · D normed keys for q/k-norm models."""
+    return spec.hidden_size + (spec.num_kv_heads * spec.head_dim if spec.qk_norm else 0)
+
+
 class MLAAttention(nn.Module):
     """MLA attention module with the decoder's attention contract (see kvexport.models.attention).
 
     forward(h (B, T, H), positions (B, T), past_k (B, 1, S, r_kv + d_rope), past_v (B, 1, S, 0), past_pos (B, 1, S))
     -> out (B, T, H), k_new = latent rows (B, 1, T, r_kv + d_rope) post-RoPE, v_new (B, 1, T, 0), q_pre
-    (B, Hq, T, D) = per-head ``[q_nope ; q_pe]`` before RoPE (after q_norm); :meth:`score_queries` absorbs it.
-
-    Qwen3's q_norm stays on the query path (per head, on the permuted layout, exact); its k_norm is folded
-    into the weights at rewrite time (see :func:`kvexport.mla.rewrite.rewrite_to_mla`).
+    (B, Hq, T, D) = the per-head queries before RoPE (after q_norm); :meth:`score_queries` absorbs them.
     """
 
     def __init__(self, spec: ModelSpec, plan: MLALayerPlan, base_rotary: Rotary, absorb: bool = True):
@@ -67,7 +76,6 @@ class MLAAttention(nn.Module):
         H, D, Hq = spec.hidden_size, spec.head_dim, spec.num_heads
         self.num_heads, self.head_dim = Hq, D
         self.kv_rank, self.rope_dim = plan.kv_rank, plan.rope_dim
-        self.nope_dim = D - self.rope_dim
         if plan.q_rank is None:
             self.q_proj = nn.Linear(H, Hq * D, bias=spec.qkv_bias)
         else:
@@ -75,12 +83,16 @@ class MLAAttention(nn.Module):
             self.q_b_proj = nn.Linear(plan.q_rank, Hq * D, bias=spec.qkv_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(D, spec.rms_norm_eps)
-        self.kv_a_proj = nn.Linear(H, self.kv_rank, bias=False)
-        self.k_rope_proj = nn.Linear(H, self.rope_dim, bias=spec.qkv_bias)
-        self.kv_b_proj = nn.Linear(self.kv_rank, Hq * (self.nope_dim + D), bias=spec.qkv_bias)
+            self.k_proj = nn.Linear(H, spec.num_kv_heads * D, bias=spec.qkv_bias)
+            self.k_norm = RMSNorm(D, spec.rms_norm_eps)
+        U = latent_input_dim(spec)
+        self.q_rope = nn.Parameter(torch.zeros(Hq, self.rope_dim, D))
+        self.kv_a_proj = nn.Linear(U, self.kv_rank, bias=False)
+        self.k_rope_proj = nn.Linear(U, self.rope_dim, bias=spec.qkv_bias)
+        self.kv_b_proj = nn.Linear(self.kv_rank, Hq * 2 * D, bias=True)  # the targets' mean (see rewrite)
         self.o_proj = nn.Linear(Hq * D, H, bias=spec.o_bias)
         inv = base_rotary.inv_freq[torch.tensor(plan.rope_pairs, dtype=torch.long)]
-        self.rotary = Rotary(inv, base_rotary.scaling, offset=self.nope_dim)  # channels of a D-wide head
+        self.rotary = Rotary(inv, base_rotary.scaling, offset=D)  # channels of a [q ; q_pe] head (naive path)
         self.score_rotary = Rotary(inv, base_rotary.scaling, offset=self.kv_rank)  # channels of a latent row
         self.scaling = D**-0.5
 
@@ -91,49 +103,62 @@ class MLAAttention(nn.Module):
 
     # ------------------------------------------------------------------ weights viewed per head
     def _w_ukv(self) -> torch.Tensor:
-        """(Hq, d_nope + D, r_kv)"""
-        return self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.head_dim, self.kv_rank)
+        """(Hq, 2 D, r_kv)"""
+        return self.kv_b_proj.weight.view(self.num_heads, 2 * self.head_dim, self.kv_rank)
 
     def w_uk(self) -> torch.Tensor:
-        """(Hq, d_nope, r_kv): latent -> per-head no-RoPE key."""
-        return self._w_ukv()[:, : self.nope_dim]
+        """(Hq, D, r_kv): latent -> per-head no-RoPE key."""
+        return self._w_ukv()[:, : self.head_dim]
 
     def w_uv(self) -> torch.Tensor:
         """(Hq, D, r_kv): latent -> per-head value."""
-        return self._w_ukv()[:, self.nope_dim :]
+        return self._w_ukv()[:, self.head_dim :]
 
     def b_uv(self) -> torch.Tensor | None:
         """(Hq, D) value bias, or None."""
         b = self.kv_b_proj.bias
         if b is None:
             return None
-        return b.view(self.num_heads, self.nope_dim + self.head_dim)[:, self.nope_dim :]
+        return b.view(self.num_heads, 2 * self.head_dim)[:, self.head_dim :]
 
     # ------------------------------------------------------------------ pieces
     def queries(self, h: torch.Tensor) -> torch.Tensor:
-        """h (B, T, H) -> q_pre (B, Hq, T, D) = [q_nope ; q_pe] per head, before RoPE, after q_norm."""
+        """h (B, T, H) -> q_pre (B, Hq, T, D) per head, before RoPE, after q_norm."""
         B, T, _ = h.shape
         q = self.q_proj(h) if self.plan.q_rank is None else self.q_b_proj(self.q_a_proj(h))
         q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         return self.q_norm(q) if self.spec.qk_norm else q
 
+    def latent_inputs(self, h: torch.Tensor) -> torch.Tensor:
+        """h (B, T, H) -> u (B, T, U): h, and for q/k-norm models the normed GQA keys (B, T, n_kv · D) after it."""
+        if not self.spec.qk_norm:
+            return h
+        B, T, _ = h.shape
+        k = self.k_norm(self.k_proj(h).view(B, T, self.spec.num_kv_heads, self.head_dim))
+        return torch.cat([h, k.reshape(B, T, -1)], dim=-1)
+
     def latent(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """h (B, T, H), positions (B, T) -> cache rows (B, 1, T, r_kv + d_rope) = [c_kv ; RoPE(k_pe)]."""
-        row = torch.cat([self.kv_a_proj(h), self.k_rope_proj(h)], dim=-1)[:, None]
+        u = self.latent_inputs(h)
+        row = torch.cat([self.kv_a_proj(u), self.k_rope_proj(u)], dim=-1)[:, None]
         return self.score_rotary.apply(row, positions)
 
+    def rope_queries(self, q_pre: torch.Tensor) -> torch.Tensor:
+        """q_pre (B, Hq, T, D) -> q_pe (B, Hq, T, d_rope), before RoPE."""
+        return torch.einsum("bhtd,hpd->bhtp", q_pre, self.q_rope)
+
     def score_queries(self, q_pre: torch.Tensor) -> torch.Tensor:
-        """q_pre (B, Hq, T, D) -> absorbed pre-RoPE queries (B, Hq, T, r_kv + d_rope) = [W_UK,iᵀ q_nope ; q_pe]."""
-        q_lat = torch.einsum("bhtd,hdr->bhtr", q_pre[..., : self.nope_dim], self.w_uk())
-        return torch.cat([q_lat, q_pre[..., self.nope_dim :]], dim=-1)
+        """q_pre (B, Hq, T, D) -> absorbed pre-RoPE queries (B, Hq, T, r_kv + d_rope) = [W_UK,iᵀ q_i ; W_QR,i q_i]."""
+        q_lat = torch.einsum("bhtd,hdr->bhtr", q_pre, self.w_uk())
+        return torch.cat([q_lat, self.rope_queries(q_pre)], dim=-1)
 
     def decompress(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """latent (B, S, r_kv + d_rope) -> keys (B, Hq, S, D) = [k_nope ; RoPE(k_pe)], values (B, Hq, S, D)."""
+        """latent (B, S, r_kv + d_rope) -> keys (B, Hq, S, D + d_rope) = [k_nope ; RoPE(k_pe)], values (B, Hq, S, D)."""
         B, S, _ = latent.shape
-        kv = self.kv_b_proj(latent[..., : self.kv_rank]).view(B, S, self.num_heads, self.nope_dim + self.head_dim)
-        kv = kv.transpose(1, 2)  # (B, Hq, S, d_nope + D)
+        D = self.head_dim
+        kv = self.kv_b_proj(latent[..., : self.kv_rank]).view(B, S, self.num_heads, 2 * D).transpose(1, 2)
         k_pe = latent[:, None, :, self.kv_rank :].expand(B, self.num_heads, S, self.rope_dim)
-        return torch.cat([kv[..., : self.nope_dim], k_pe], dim=-1), kv[..., self.nope_dim :]
+        return torch.cat([kv[..., :D], k_pe], dim=-1), kv[..., D:]
 
     # ------------------------------------------------------------------ forward
     def forward(self, h, positions, past_k, past_v, past_pos):
@@ -152,7 +177,7 @@ class MLAAttention(nn.Module):
                 out = out + b[None, :, None, :]
         else:
             k, v = self.decompress(lat)
-            q = self.rotary.apply(q_pre, positions)
+            q = self.rotary.apply(torch.cat([q_pre, self.rope_queries(q_pre)], dim=-1), positions)
             k_pos = pos[:, None, :].expand(B, self.num_heads, pos.shape[-1])
             out, _ = grouped_attention(q, k, v, positions, k_pos, self.scaling)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)

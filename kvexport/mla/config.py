@@ -13,7 +13,17 @@ from typing import Any
 
 from kvexport.errors import BadUsage
 
-ROPE_INITS = ("xeco", "norm")
+#: how the d_rope RoPE channels are made from the GQA keys (kvexport.mla.rope_plan); the first is the default
+ROPE_INITS = ("rorope", "perhead", "xeco", "norm")
+#: how a key component that loses RoPE enters the no-RoPE key: rotated by the mean RoPE rotation over the
+#: horizon ("mean"), unrotated ("none", MHA2MLA / TransMLA), or left out ("zero")
+DROPPED_ROPE = ("mean", "none", "zero")
+#: how the latent is fitted to the stacked [no-RoPE keys ; values]: PCA of their (centred) activations on
+#: calibration inputs with the keys weighted by the queries and the values by o_proj ("wpca"), unweighted
+#: ("pca", TransMLA's balanced KV PCA), or SVD of the weights alone ("svd", X-EcoMLA)
+KV_FITS = ("wpca", "pca", "svd")
+#: rope inits whose RoPE key is the head average (X-EcoMLA): d_rope is bounded by head_dim
+SHARED_KEY_INITS = ("xeco", "norm")
 
 
 @dataclass(frozen=True)
@@ -21,10 +31,17 @@ class MLASettings:
     """What to build.
 
     kv_rank: latent width r_kv of every layer; or ``energy`` δ in (0, 1]: per layer, the smallest rank
-    whose cumulative σ² reaches δ of the total, rounded up to a multiple of 8 (X-EcoMLA's "dynamic" rank).
-    rope_dim: d_rope, width of the shared decoupled RoPE key (even, 2 <= d_rope <= head_dim).
-    rope_init: "xeco" (evenly spaced frequency pairs, key = head average, X-EcoMLA) or "norm" (the pairs
-    with the largest ‖q_f‖·‖k_f‖ on calibration text, MHA2MLA's 2-norm selection; key = head average).
+    whose cumulative energy reaches δ of the total, rounded up to a multiple of 8 (X-EcoMLA's "dynamic" rank).
+    rope_dim: d_rope, width of the RoPE part of the latent row (even; <= n_kv · head_dim, or <= head_dim
+    for the shared-key inits). ``r_kv = d_rope = n_kv · head_dim`` is the exact rewrite at the GQA cache size.
+    rope_init: "rorope" (TransMLA's RoRoPE: per frequency, an orthogonal mix of the KV heads' keys that
+    commutes with RoPE, then the d_rope/2 components that carry the most positional attention keep RoPE),
+    "perhead" (no mix: each KV head's own frequency pairs, MHA2MLA's per-head partial RoPE, by the same
+    score), "xeco" (X-EcoMLA: evenly spaced pairs, one key = the head average) or "norm" (MHA2MLA's 2-norm
+    pairs, key = the head average).
+    dropped_rope: see :data:`DROPPED_ROPE`; rope_horizon: the relative distances (0 .. horizon - 1, uniform)
+    that "mean" averages the rotation over and that the RoPE components are scored on.
+    kv_fit: see :data:`KV_FITS`.
     q_rank: optional low-rank query (SVD of W_Q to r_q); None keeps W_Q full.
     absorb: attention path: True = absorbed (W_UK folded into the query, what is exported), False = naive.
     """
@@ -32,7 +49,10 @@ class MLASettings:
     kv_rank: int | None = None
     energy: float | None = None
     rope_dim: int = 32
-    rope_init: str = "xeco"
+    rope_init: str = ROPE_INITS[0]
+    dropped_rope: str = DROPPED_ROPE[0]
+    rope_horizon: int = 2048
+    kv_fit: str = KV_FITS[0]
     q_rank: int | None = None
     absorb: bool = True
 
@@ -45,19 +65,30 @@ class MLASettings:
             raise BadUsage(f"energy threshold δ {self.energy} is outside (0, 1]")
         if int(self.rope_dim) < 2 or int(self.rope_dim) % 2:
             raise BadUsage(f"RoPE dim d_rope {self.rope_dim} must be even and >= 2 (it holds frequency pairs)")
-        if self.rope_init not in ROPE_INITS:
-            raise BadUsage(f"rope init {self.rope_init!r} unknown; accepted: {', '.join(ROPE_INITS)}")
+        for name, value, accepted in (("rope init", self.rope_init, ROPE_INITS),
+                                      ("dropped-rope rule", self.dropped_rope, DROPPED_ROPE),
+                                      ("latent fit", self.kv_fit, KV_FITS)):
+            if value not in accepted:
+                raise BadUsage(f"{name} {value!r} unknown; accepted: {', '.join(accepted)}")
+        if int(self.rope_horizon) < 1:
+            raise BadUsage(f"RoPE horizon {self.rope_horizon} must be >= 1 token")
         if self.q_rank is not None and int(self.q_rank) < 1:
             raise BadUsage(f"query rank r_q {self.q_rank} must be >= 1")
 
-    def check_model(self, head_dim: int, hidden: int, num_kv_heads: int) -> None:
+    def max_rope_dim(self, head_dim: int, num_kv_heads: int) -> int:
+        return head_dim if self.rope_init in SHARED_KEY_INITS else num_kv_heads * head_dim
+
+    def check_model(self, head_dim: int, hidden: int, num_kv_heads: int, qk_norm: bool = False) -> None:
         """Refuse settings this model cannot take (one line, :class:`BadUsage`)."""
-        if self.rope_dim > head_dim:
-            raise BadUsage(f"RoPE dim d_rope {self.rope_dim} is larger than the model's head_dim {head_dim}")
-        mx = max_kv_rank(hidden, num_kv_heads, head_dim, self.rope_dim)
+        top = self.max_rope_dim(head_dim, num_kv_heads)
+        if self.rope_dim > top:
+            what = "head_dim" if self.rope_init in SHARED_KEY_INITS else "n_kv * head_dim"
+            raise BadUsage(f"RoPE dim d_rope {self.rope_dim} is larger than the model's {what} {top} "
+                           f"(rope init {self.rope_init})")
+        mx = max_kv_rank(hidden, num_kv_heads, head_dim, self.rope_dim, qk_norm)
         if self.kv_rank is not None and self.kv_rank > mx:
-            raise BadUsage(f"MLA rank r_kv {self.kv_rank} is larger than the rank of the stacked K/V weights "
-                           f"({mx} = min(hidden {hidden}, n_kv*(2*head_dim - d_rope)))")
+            raise BadUsage(f"MLA rank r_kv {self.kv_rank} is larger than the rank of the stacked no-RoPE keys and "
+                           f"values ({mx} = min(hidden {hidden}, 2*n_kv*head_dim - d_rope))")
         if self.q_rank is not None and self.q_rank > hidden:
             raise BadUsage(f"query rank r_q {self.q_rank} is larger than hidden_size {hidden}")
 
@@ -65,15 +96,21 @@ class MLASettings:
         return asdict(self)
 
 
-def max_kv_rank(hidden: int, num_kv_heads: int, head_dim: int, rope_dim: int) -> int:
-    """Rank bound of the stacked ``[W_K,nope; W_V]`` (GQA repetition adds no rank): min(H, n_kv (2 d_h - d_rope))."""
-    return min(hidden, num_kv_heads * (2 * head_dim - rope_dim))
+def max_kv_rank(hidden: int, num_kv_heads: int, head_dim: int, rope_dim: int, qk_norm: bool = False) -> int:
+    """Rank bound of the stacked no-RoPE keys and values, ``2 n_kv d_h - d_rope`` dimensions (GQA repetition
+    adds no rank): min(H, 2 n_kv d_h - d_rope); with Qwen3's k_norm the keys are not linear in h, so
+    (n_kv d_h - d_rope) + min(H, n_kv d_h). At d_rope = n_kv d_h both are min(H, n_kv d_h)."""
+    kv = num_kv_heads * head_dim
+    if qk_norm:
+        return max(kv - rope_dim, 0) + min(hidden, kv)
+    return min(hidden, 2 * kv - rope_dim)
 
 
 @dataclass
 class MLALayerPlan:
-    """One layer's resolved shapes: kv_rank r_kv, q_rank (or None), rope_pairs (d_rope/2 frequency-pair
-    indices into the original head's half-split RoPE layout, ascending)."""
+    """One layer's resolved shapes: kv_rank r_kv, q_rank (or None), rope_pairs (d_rope/2 frequency indices
+    into the original head's half-split RoPE layout, one per RoPE pair of the latent row; a frequency repeats
+    when several KV heads or rotated components keep it)."""
 
     kv_rank: int
     rope_pairs: list[int] = field(default_factory=list)

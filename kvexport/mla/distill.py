@@ -8,7 +8,10 @@ over the processes. Each process's loss is the mean over its (equal) share of to
 gradients, so one process and N processes take the same steps on the same data (to float rounding).
 
 Loss per token t: ``KL(p_teacher,t || p_student,t) = Σ_v p_T log(p_T / p_S)`` averaged over all tokens,
-plus ``ce_weight ×`` next-token cross-entropy when ``ce_weight > 0``.
+plus ``ce_weight ×`` next-token cross-entropy when ``ce_weight > 0``. Learning rate: linear warm-up over the
+first ``warmup`` of the steps, then cosine decay to ``min_lr`` × the peak (``warmup=0, min_lr=1``: constant).
+Data: ``copy_fraction`` of every global batch's sequences get a span repeated later
+(:func:`kvexport.mla.recall_data.copy_augment`), seeded by the step, so the student keeps in-context copying.
 
 On disk (``out``): ``checkpoints/step-NNNNNN/`` (accelerate state + ``trainer_state.json``), ``distill_log.jsonl``
 (one JSON object per step), ``distill_summary.json`` and, at the end, the MLA model files (``kvexport_mla.json``,
@@ -47,6 +50,9 @@ class DistillConfig:
     save_every: int = 100
     seed: int = 0
     grad_clip: float = 1.0
+    warmup: float = 0.05
+    min_lr: float = 0.1
+    copy_fraction: float = 0.5
 
     def __post_init__(self):
         for name in ("tokens", "seq_len", "batch_size"):
@@ -58,6 +64,20 @@ class DistillConfig:
             raise BadUsage(f"--ce-weight {self.ce_weight} must be >= 0")
         if self.save_every < 1:
             raise BadUsage(f"--save-every {self.save_every} must be >= 1")
+        if not 0.0 <= self.warmup < 1.0:
+            raise BadUsage(f"--warmup {self.warmup} must be a fraction of the steps in [0, 1)")
+        if not 0.0 <= self.min_lr <= 1.0:
+            raise BadUsage(f"--min-lr {self.min_lr} must be a fraction of --lr in [0, 1]")
+        if not 0.0 <= self.copy_fraction <= 1.0:
+            raise BadUsage(f"--copy-fraction {self.copy_fraction} must be in [0, 1]")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of step ``step`` (0-based): linear warm-up, then cosine from lr to min_lr · lr."""
+        w = int(math.ceil(self.warmup * self.steps))
+        if step < w:
+            return self.lr * (step + 1) / w
+        p = (step - w) / max(1, self.steps - w)
+        return self.lr * (self.min_lr + (1.0 - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * p)))
 
     @property
     def steps(self) -> int:
@@ -122,7 +142,10 @@ def read_tokens(path: str | Path, tokenizer=None, vocab_size: int | None = None)
 
 
 def global_batches(ids: torch.Tensor, cfg: DistillConfig) -> torch.Tensor:
-    """ids (N,) -> (steps · batch_size, seq_len): sequences in step order, reshuffled (seeded) each pass."""
+    """ids (N,) -> (steps · batch_size, seq_len): sequences in step order, reshuffled (seeded) each pass, with
+    ``cfg.copy_fraction`` of every global batch copy-augmented (seeded by seed and step)."""
+    from kvexport.mla.recall_data import copy_augment
+
     n_seq = ids.numel() // cfg.seq_len
     if n_seq < 1:
         raise BadUsage(f"the data has {ids.numel()} tokens, fewer than one --seq-len {cfg.seq_len} sequence")
@@ -132,7 +155,13 @@ def global_batches(ids: torch.Tensor, cfg: DistillConfig) -> torch.Tensor:
     while sum(len(o) for o in order) < need:
         order.append(torch.randperm(n_seq, generator=torch.Generator().manual_seed(cfg.seed + epoch)))
         epoch += 1
-    return seqs[torch.cat(order)[:need]]
+    out = seqs[torch.cat(order)[:need]]
+    if cfg.copy_fraction > 0:
+        B = cfg.batch_size
+        for step in range(cfg.steps):
+            out[step * B : (step + 1) * B] = copy_augment(out[step * B : (step + 1) * B], cfg.copy_fraction,
+                                                          seed=cfg.seed * 1_000_003 + step)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- losses
@@ -239,6 +268,8 @@ def distill(student, teacher, ids: torch.Tensor, out: str | Path, cfg: DistillCo
         for batch in batches:
             if step >= cfg.steps:
                 break
+            for group in opt.param_groups:
+                group["lr"] = cfg.lr_at(step)
             x = batch.to(acc.device)
             B, T = x.shape
             pos = torch.arange(T, device=acc.device).expand(B, T)
@@ -259,7 +290,7 @@ def distill(student, teacher, ids: torch.Tensor, out: str | Path, cfg: DistillCo
             red = acc.reduce(torch.stack([loss.detach(), kl.detach(), ce.detach()]), reduction="mean")
             dt = time.perf_counter() - t0
             last = {"step": step, "tokens": tokens_seen, "loss": red[0].item(), "kl": red[1].item(),
-                    "ce": red[2].item(), "lr": cfg.lr,
+                    "ce": red[2].item(), "lr": cfg.lr_at(step - 1),
                     "tokens_per_s": (tokens_seen - start * cfg.batch_size * cfg.seq_len) / max(dt, 1e-9)}
             if log_f is not None:
                 log_f.write(json.dumps(last) + "\n")

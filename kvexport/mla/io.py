@@ -30,7 +30,8 @@ from kvexport.mla.config import MLALayerPlan, MLASettings
 
 MLA_CONFIG = "kvexport_mla.json"
 FORMAT = "kvexport-mla"
-VERSION = 1
+#: 2: the exact-rewrite layout (per-head q_rope, D-wide no-RoPE keys, k_proj/k_norm for q/k-norm models)
+VERSION = 2
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
 
@@ -113,6 +114,9 @@ def read_mla_config(path: str | Path) -> dict[str, Any]:
         raise BadArtifact(f"{p} is not a kvexport MLA config (format {cfg.get('format') if isinstance(cfg, dict) else None!r})")
     if int(cfg.get("version", 0)) > VERSION:
         raise BadArtifact(f"{p} has MLA format version {cfg.get('version')}; this kvexport reads <= {VERSION}")
+    if int(cfg.get("version", 0)) < VERSION:
+        raise BadArtifact(f"{p} has MLA format version {cfg.get('version')} (an older weight layout); rewrite the "
+                          f"original model again with this kvexport (format {VERSION})")
     return cfg
 
 

@@ -1,28 +1,27 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Rewrite a GQA/MHA decoder into MLA by SVD (X-EcoMLA, Li et al., 2025; RoPE choice after MHA2MLA, Ji et al., 2025).
+"""Rewrite a GQA/MHA decoder into MLA: exact at the GQA cache size, graceful below it.
 
-Per layer, with D = head_dim, d_rope = 2·|pairs|, d_nope = D - d_rope:
+Per layer (D = head_dim, u = the latent inputs: h, and for Qwen3 also the normed keys; see
+:mod:`kvexport.mla.attention`):
 
-1. RoPE pairs: d_rope/2 of the D/2 frequency pairs (f, f + D/2) of HF's half-split layout keep RoPE,
-   with their original frequencies. ``rope_init="xeco"``: evenly spaced pairs f = ⌊k·(D/2)/(d_rope/2)⌋,
-   the spectrum X-EcoMLA's fresh d_rope-wide RoPE covers; ``"norm"``: MHA2MLA's 2-norm rule, the pairs with
-   the largest Σ_heads mean‖q_f‖·mean‖k_f‖ on calibration text (one set per layer, since k_pe is shared).
-   Every other channel drops RoPE (partial RoPE).
-2. Queries: W_Q's rows permuted per head to ``[nope ; pe]`` (bias and q_norm weight likewise); with r_q,
-   W_Q = U_r (Σ_r V_rᵀ) -> q_b_proj, q_a_proj (the bias stays on q_b_proj). q_norm stays exact.
-3. Latent: GQA K-nope and V rows repeated to all query heads, stacked ``[W_K,nope; W_V]`` and factored by
-   one SVD: kv_a_proj = Σ_r V_rᵀ (r_kv × H), kv_b_proj = U_r regrouped per head as [K-nope ; V].
-   Fixed r_kv, or per-layer energy δ (:func:`kvexport.mla.rank.energy_rank`). K/V biases become kv_b_proj's
-   bias (exact: the latent carries no constant, see :mod:`kvexport.mla.attention`). Only the K rows the
-   latent must reproduce (nope channels) are stacked; the RoPE key has its own projection.
-4. Shared RoPE key: k_rope_proj = the head average of the pe rows of W_K (and of b_K), X-EcoMLA's init.
-5. o_proj, MLP, norms, embeddings copied. RoPE attention_scaling s (YaRN/LongRoPE) multiplied every rope
-   logit by s²; the nope part keeps that factor through s² folded into kv_b_proj's K rows.
+1. Calibration statistics. The original layer's queries q (after q_norm), pre-RoPE keys k (after k_norm)
+   and values v on calibration inputs (text, or seeded random token ids when none is given).
+2. RoPE part (:mod:`kvexport.mla.rope_plan`): which d_rope key components keep RoPE (TransMLA's RoRoPE by
+   default), each head's query in their frame, and the no-RoPE key each query group sees instead of the rest.
+3. Latent: one PCA of the stacked targets ``y = [α · no-RoPE keys of every group ; values]``
+   (2 n_kv D rows, rank <= 2 n_kv D − d_rope) on the calibration inputs (``kv_fit="pca"``, TransMLA; the
+   second moment of u gets a small ridge so that it is positive definite), or of the weights alone
+   (``"svd"``, X-EcoMLA). α balances the energy of the two blocks (TransMLA's balanced KV PCA).
+   kv_a_proj = V_rᵀ T (T: u -> y), kv_b_proj = V_r split per head as [K-nope ; V], biases of y to kv_b_proj's.
+   Fixed r_kv, or per-layer energy δ of the PCA spectrum (:func:`kvexport.mla.rank.energy_rank`).
+4. Queries keep W_Q (and q_norm); with r_q, W_Q = U_r (Σ_r V_rᵀ) -> q_b_proj, q_a_proj. o_proj, MLP, norms,
+   embeddings copied. RoPE attention_scaling s (YaRN/LongRoPE) multiplies every RoPE logit by s²; the
+   no-RoPE key keeps that factor through s² folded into kv_b_proj's K rows.
 
-Qwen3's k_norm (per-head RMSNorm on pre-RoPE keys) is not linear, so it cannot live inside a shared latent:
-it is folded as ``diag(w_k) · W_K,h · E[1/rms(W_K,h x)]``, the per-head mean inverse RMS measured on
-calibration inputs (norm-then-SVD approximation). The rewrite is then lossy even at full rank; distillation
-repairs it. Calibration inputs default to 2×64 random token ids (seeded) when no text is given.
+Exact (logits equal to fp32 rounding, tested against HF for Llama, Qwen2, Qwen3 and Mistral at 1-8 query
+heads per KV head): ``kv_rank = d_rope = n_kv · D`` with rorope or perhead, for every family including
+Qwen3 (its k_norm runs inside the module). Below that, the loss is the dropped RoPE components (scored on
+the calibration queries and keys) plus the PCA residual of the latent.
 """
 
 from __future__ import annotations
@@ -34,23 +33,13 @@ import torch
 from kvexport.errors import BadModel
 from kvexport.mla.attention import MLAAttention
 from kvexport.mla.config import MLALayerPlan, MLASettings
-from kvexport.mla.rank import energy_rank, singular_values, truncated_svd
+from kvexport.mla.rank import energy_rank, truncated_svd
+from kvexport.mla.rope_plan import rope_plan
 from kvexport.models.attention import GQAAttention
 from kvexport.models.decoder import Decoder
 
-
-def xeco_pairs(n_pairs: int, n_keep: int) -> list[int]:
-    """Evenly spaced pair indices over [0, n_pairs): the frequencies a fresh 2·n_keep-wide RoPE would use."""
-    return sorted({(k * n_pairs) // n_keep for k in range(n_keep)})
-
-
-def pair_norm_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q (N, Hq, D), k (N, Hkv, D) calibration queries/keys -> (D/2,) Σ_heads mean‖q_f‖ · mean‖k_f‖ (MHA2MLA)."""
-    half = q.shape[-1] // 2
-    qn = (q[..., :half].pow(2) + q[..., half:].pow(2)).sqrt().mean(0)  # (Hq, D/2)
-    kn = (k[..., :half].pow(2) + k[..., half:].pow(2)).sqrt().mean(0)  # (Hkv, D/2)
-    G = q.shape[1] // k.shape[1]
-    return (qn * kn.repeat_interleave(G, dim=0)).sum(0)
+#: ridge added to the calibration second moment of u, relative to its mean diagonal
+RIDGE = 1e-6
 
 
 @torch.no_grad()
@@ -61,98 +50,145 @@ def calibration_inputs(dec: Decoder, ids: torch.Tensor) -> list[torch.Tensor]:
              for layer in dec.layers]
     try:
         B, T = ids.shape
-        dec(ids, torch.arange(T).expand(B, T))
+        dec(ids, torch.arange(T, device=ids.device).expand(B, T))
     finally:
         for hk in hooks:
             hk.remove()
-    return [c.float() for c in caught]
+    return [c.double().cpu() for c in caught]
 
 
-def _rows(lin: torch.nn.Linear):
-    return lin.weight.detach().double(), (lin.bias.detach().double() if lin.bias is not None else None)
+def _lin(lin: torch.nn.Linear):
+    return lin.weight.detach().double().cpu(), (lin.bias.detach().double().cpu() if lin.bias is not None else None)
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 @torch.no_grad()
 def plan_layer(attn: GQAAttention, settings: MLASettings, x: torch.Tensor | None) -> tuple[MLALayerPlan, dict]:
-    """Resolve one layer's plan and compute its MLA weights (float64 dict keyed like MLAAttention's params)."""
+    """One layer's plan and MLA weights (float64 dict keyed like MLAAttention's parameters).
+
+    x (N, H): calibration attention inputs; None uses 256 seeded standard-normal rows (weights-only statistics).
+    """
     spec = attn.spec
     Hq, Hkv, D, H = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
-    G, dr = Hq // Hkv, settings.rope_dim
-    dn, half, n_keep = D - dr, D // 2, dr // 2
-    Wq, bq = _rows(attn.q_proj)
-    Wk, bk = _rows(attn.k_proj)
-    Wv, bv = _rows(attn.v_proj)
-    Wk, Wv, Wq = Wk.view(Hkv, D, H), Wv.view(Hkv, D, H), Wq.view(Hq, D, H)
-    bk = bk.view(Hkv, D) if bk is not None else None
-    bv = bv.view(Hkv, D) if bv is not None else None
-    if spec.qk_norm:  # fold k_norm: weight and the calibrated mean inverse RMS per kv head
-        k_raw = torch.einsum("nh,gdh->ngd", x.double(), Wk)  # (N, Hkv, D)
-        inv_rms = torch.rsqrt(k_raw.pow(2).mean(-1) + spec.rms_norm_eps).mean(0)  # (Hkv,)
-        Wk = Wk * (attn.k_norm.weight.double()[None, :, None] * inv_rms[:, None, None])
-    # ---- 1. RoPE pairs
-    if settings.rope_init == "xeco":
-        pairs = xeco_pairs(half, n_keep)
-    else:
-        q = torch.einsum("nh,qdh->nqd", x.double(), Wq) + (bq.view(1, Hq, D) if bq is not None else 0)
-        if spec.qk_norm:
-            q = attn.q_norm(q.float()).double()
-        k = torch.einsum("nh,gdh->ngd", x.double(), Wk) + (bk[None] if bk is not None else 0)
-        scores = pair_norm_scores(q, k)
-        pairs = sorted(torch.topk(scores, n_keep).indices.tolist())
-    pt = torch.tensor(pairs, dtype=torch.long)
-    pe_idx = torch.cat([pt, pt + half])  # pe channels in half-split order
-    mask = torch.ones(D, dtype=torch.bool)
-    mask[pe_idx] = False
-    perm = torch.cat([torch.arange(D)[mask], pe_idx])  # [nope ; pe]
-    out: dict[str, torch.Tensor] = {}
-    # ---- 2. queries
-    Wq_p = Wq[:, perm].reshape(Hq * D, H)
-    bq_p = bq.view(Hq, D)[:, perm].reshape(-1) if bq is not None else None
-    q_rank = settings.q_rank
-    if q_rank is None:
-        out["q_proj.weight"] = Wq_p
-    else:
-        up, down = truncated_svd(Wq_p, q_rank)
-        out["q_a_proj.weight"], out["q_b_proj.weight"] = down, up
-    if bq_p is not None:
-        out["q_proj.bias" if q_rank is None else "q_b_proj.bias"] = bq_p
+    G, KV = Hq // Hkv, Hkv * D
+    if x is None:
+        x = torch.randn(256, H, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x = x.double().cpu()
+    N = x.shape[0]
+    Wq, bq = _lin(attn.q_proj)
+    Wk, bk = _lin(attn.k_proj)
+    Wv, bv = _lin(attn.v_proj)
+    # ---- 1. calibration queries, keys (pre-RoPE) and the latent inputs u with their linear maps to k and v
+    q = (x @ Wq.T + (bq if bq is not None else 0)).view(N, Hq, D)
+    k = (x @ Wk.T + (bk if bk is not None else 0)).view(N, Hkv, D)
+    zeros_b = torch.zeros(KV, dtype=torch.float64)
     if spec.qk_norm:
-        out["q_norm.weight"] = attn.q_norm.weight.detach().double()[perm]
-    # ---- 3. latent: stacked [K-nope ; V], repeated to all query heads
-    nope = perm[:dn]
-    Kn = Wk[:, nope].repeat_interleave(G, dim=0)  # (Hq, dn, H)
-    Vr = Wv.repeat_interleave(G, dim=0)  # (Hq, D, H)
-    stacked = torch.cat([Kn.reshape(Hq * dn, H), Vr.reshape(Hq * D, H)])
+        q = _rms(q, attn.q_norm.weight.detach().double().cpu(), spec.rms_norm_eps)
+        k = _rms(k, attn.k_norm.weight.detach().double().cpu(), spec.rms_norm_eps)
+        u = torch.cat([x, k.reshape(N, KV)], dim=1)  # (N, H + KV)
+        W_ku = torch.cat([torch.zeros(KV, H, dtype=torch.float64), torch.eye(KV, dtype=torch.float64)], dim=1)
+        b_ku = zeros_b
+        W_vu = torch.cat([Wv, torch.zeros(KV, KV, dtype=torch.float64)], dim=1)
+    else:
+        u, W_ku, b_ku, W_vu = x, Wk, (bk if bk is not None else zeros_b), Wv
+    b_v = bv if bv is not None else zeros_b
+    # ---- 2. RoPE part
+    rp = rope_plan(q, k, attn.rotary.inv_freq.double().cpu(), settings)
+    nope = rp.nope_maps.reshape(KV, KV)  # all groups' no-RoPE keys from k
+    # ---- 3. latent: PCA of [α · no-RoPE keys ; values]
+    Tk, Tv = nope @ W_ku, W_vu
+    bias_y = torch.cat([nope @ b_ku, b_v])  # (2 KV,) the targets' constant part
+    if settings.kv_fit == "svd":
+        Sigma, mean_u = torch.eye(u.shape[1], dtype=torch.float64), torch.zeros(u.shape[1], dtype=torch.float64)
+    else:  # centred: the mean goes to kv_b_proj's bias, where it is exact and costs no rank
+        mean_u = u.mean(0)
+        Sigma = (u - mean_u).T @ (u - mean_u) / N
+    Sigma = Sigma + RIDGE * Sigma.diagonal().mean() * torch.eye(u.shape[1], dtype=torch.float64)
+    Wk_w, Wv_w = _block_weights(settings.kv_fit, q, attn, G)
+    Tk, Tv = Wk_w @ Tk, Wv_w @ Tv
+    ek, ev = torch.trace(Tk @ Sigma @ Tk.T), torch.trace(Tv @ Sigma @ Tv.T)
+    alpha = float((ev / ek).sqrt()) if ek > 1e-12 * max(float(ev), 1e-30) else 1.0
+    T = torch.cat([alpha * Tk, Tv])  # (2 KV, U), weighted
+    lam, vec = torch.linalg.eigh(T @ Sigma @ T.T)
+    lam, vec = lam.flip(0).clamp(min=0.0), vec.flip(1)
     if settings.kv_rank is not None:
         r = int(settings.kv_rank)
     else:
-        r = energy_rank(singular_values(stacked), float(settings.energy))
-    r = min(r, min(H, Hkv * (dn + D)))
-    up, down = truncated_svd(stacked, r)  # (Hq*(dn+D), r), (r, H)
+        r = energy_rank(lam.sqrt(), float(settings.energy))
+    Vr = vec[:, :r]  # (2 KV, r)
+    unw = torch.block_diag(torch.linalg.inv(Wk_w) / alpha, torch.linalg.inv(Wv_w))  # weighted -> target units
+    up = unw @ Vr  # (2 KV, r): c -> y
+    bias_y = bias_y + unw @ (T @ mean_u - Vr @ (Vr.T @ (T @ mean_u)))
     s2 = attn.rotary.scaling**2
-    U_k = up[: Hq * dn].view(Hq, dn, r) * s2
-    U_v = up[Hq * dn :].view(Hq, D, r)
-    out["kv_a_proj.weight"] = down
-    out["kv_b_proj.weight"] = torch.cat([U_k, U_v], dim=1).reshape(Hq * (dn + D), r)
-    if bk is not None:
-        bkn = bk[:, nope].repeat_interleave(G, dim=0) * s2  # (Hq, dn)
-        bvr = bv.repeat_interleave(G, dim=0)  # (Hq, D)
-        out["kv_b_proj.bias"] = torch.cat([bkn, bvr], dim=1).reshape(-1)
-    # ---- 4. shared RoPE key = head average of the pe rows
-    out["k_rope_proj.weight"] = Wk[:, pe_idx].mean(0)
-    if bk is not None:
-        out["k_rope_proj.bias"] = bk[:, pe_idx].mean(0)
-    out["o_proj.weight"] = attn.o_proj.weight.detach().double()
-    if attn.o_proj.bias is not None:
-        out["o_proj.bias"] = attn.o_proj.bias.detach().double()
-    return MLALayerPlan(kv_rank=r, rope_pairs=pairs, q_rank=q_rank), out
+    out: dict[str, torch.Tensor] = {}
+    out["kv_a_proj.weight"] = Vr.T @ T
+    U_k = (up[:KV] * s2).view(Hkv, D, r).repeat_interleave(G, dim=0)  # (Hq, D, r)
+    U_v = up[KV:].view(Hkv, D, r).repeat_interleave(G, dim=0)
+    out["kv_b_proj.weight"] = torch.cat([U_k, U_v], dim=1).reshape(Hq * 2 * D, r)
+    bkn = (bias_y[:KV] * s2).view(Hkv, D).repeat_interleave(G, dim=0)
+    out["kv_b_proj.bias"] = torch.cat([bkn, bias_y[KV:].view(Hkv, D).repeat_interleave(G, dim=0)], dim=1).reshape(-1)
+    if spec.qkv_bias:
+        out["k_rope_proj.bias"] = rp.key_rows @ b_ku
+    out["k_rope_proj.weight"] = rp.key_rows @ W_ku
+    out["q_rope"] = rp.q_maps
+    # ---- 4. queries, o_proj, Qwen3's norms
+    if settings.q_rank is None:
+        out["q_proj.weight"] = Wq
+    else:
+        up, down = truncated_svd(Wq, settings.q_rank)
+        out["q_a_proj.weight"], out["q_b_proj.weight"] = down, up
+    if bq is not None:
+        out["q_proj.bias" if settings.q_rank is None else "q_b_proj.bias"] = bq
+    if spec.qk_norm:
+        out["q_norm.weight"] = attn.q_norm.weight.detach().double().cpu()
+        out["k_norm.weight"] = attn.k_norm.weight.detach().double().cpu()
+        out["k_proj.weight"] = Wk
+        if bk is not None:
+            out["k_proj.bias"] = bk
+    out["o_proj.weight"], ob = _lin(attn.o_proj)
+    if ob is not None:
+        out["o_proj.bias"] = ob
+    return MLALayerPlan(kv_rank=r, rope_pairs=rp.pairs, q_rank=settings.q_rank), out
+
+
+def _block_weights(kv_fit: str, q: torch.Tensor, attn, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Metric of the latent fit per block: identity, or (``wpca``) per group g the square roots of
+    Σ_{i in g} E[q_i q_iᵀ] for the keys (errors in logit units) and Σ_{i in g} W_O,iᵀ W_O,i for the values
+    (errors in output units), each with a small ridge. -> (KV, KV), (KV, KV) block-diagonal."""
+    N, Hq, D = q.shape
+    KV = Hq // G * D
+    eye = torch.eye(KV, dtype=torch.float64)
+    if kv_fit != "wpca":
+        return eye, eye
+    Wo = attn.o_proj.weight.detach().double().cpu().view(-1, Hq, D)  # (H, Hq, D)
+
+    def root(c: torch.Tensor) -> torch.Tensor:
+        c = c + 1e-3 * c.diagonal().mean() * torch.eye(D, dtype=torch.float64)
+        lam, vec = torch.linalg.eigh(c)
+        return vec @ torch.diag(lam.clamp(min=0).sqrt()) @ vec.T
+
+    kb, vb = [], []
+    for g in range(Hq // G):
+        qs = q[:, g * G : (g + 1) * G].reshape(-1, D)
+        kb.append(root(qs.T @ qs / N))
+        wo = Wo[:, g * G : (g + 1) * G]  # (H, G, D)
+        vb.append(root(torch.einsum("hgd,hge->de", wo, wo)))
+    return torch.block_diag(*kb), torch.block_diag(*vb)
+
+
+def default_calibration(spec, device=None) -> torch.Tensor:
+    """Seeded random token ids (2, 64): the calibration when no text is given."""
+    return torch.randint(0, spec.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
 
 
 @torch.no_grad()
 def rewrite_to_mla(model, settings: MLASettings, calibration_ids: torch.Tensor | None = None) -> Decoder:
     """A Decoder (or HF ``*ForCausalLM``) -> a new Decoder whose attention layers are :class:`MLAAttention`.
 
-    calibration_ids (B, T): text for ``rope_init="norm"`` and Qwen3's k_norm folding (default: seeded random ids).
+    calibration_ids (B, T): text for the statistics of every init (default: :func:`default_calibration`).
     Raises :class:`~kvexport.errors.BadUsage` for settings the model cannot take, :class:`BadModel` for a
     model that is not a kvexport GQA decoder with RoPE.
     """
@@ -162,13 +198,11 @@ def rewrite_to_mla(model, settings: MLASettings, calibration_ids: torch.Tensor |
     if getattr(dec, "rotary", None) is None or dec.rotary.inv_freq.numel() == 0:
         raise BadModel("the model has no RoPE; MLA's decoupled RoPE key needs a RoPE model")
     spec = dec.spec
-    settings.check_model(spec.head_dim, spec.hidden_size, spec.num_kv_heads)
-    xs: list = [None] * spec.num_layers
-    if settings.rope_init == "norm" or spec.qk_norm:
-        if calibration_ids is None:
-            calibration_ids = torch.randint(0, spec.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
-        xs = calibration_inputs(dec, calibration_ids.to(next(dec.parameters()).device))
+    settings.check_model(spec.head_dim, spec.hidden_size, spec.num_kv_heads, spec.qk_norm)
     p = next(dec.parameters())
+    if calibration_ids is None:
+        calibration_ids = default_calibration(spec)
+    xs = calibration_inputs(dec, calibration_ids.to(p.device))
     new = copy.deepcopy(dec)
     plans = []
     for i, layer in enumerate(new.layers):

@@ -72,7 +72,8 @@ def test_score_queries_shape_and_cache_layout(tiny_models):
     assert attn.score_rotary.offset == 16 and attn.score_rotary.dim == 8
     cache = mla.new_cache(1, None, 8, 2)
     assert cache.layers[0].k.shape == (1, 1, 10, 24) and cache.layers[0].v.shape == (1, 1, 10, 0)
-    # absorbed score == naive score: q̃·c + q_pe·k_pe equals q_nope·k_nope (bias-free llama) + q_pe·k_pe
+    # absorbed score == naive score: [W_UKᵀ q ; W_QR q]·[c ; k_pe] equals q·k_nope + q_pe·k_pe up to the per-query
+    # constant q·b_K (the K-nope bias, which the softmax removes)
     h = torch.randn(1, 5, 64)
     pos = torch.arange(5)[None]
     with torch.no_grad():
@@ -80,5 +81,8 @@ def test_score_queries_shape_and_cache_layout(tiny_models):
         lat = attn.latent(h, pos)[:, 0]
         k, _ = attn.decompress(lat)
         s_abs = attn.score_rotary.apply(attn.score_queries(q_pre), pos) @ lat[:, None].transpose(-1, -2)
-        s_naive = attn.rotary.apply(q_pre, pos) @ k.transpose(-1, -2)
-    assert (s_abs - s_naive).abs().max().item() < 1e-4
+        q_full = attn.rotary.apply(torch.cat([q_pre, attn.rope_queries(q_pre)], -1), pos)
+        s_naive = q_full @ k.transpose(-1, -2)
+        b_k = attn.kv_b_proj.bias.view(attn.num_heads, 2 * attn.head_dim)[:, : attn.head_dim]
+        const = torch.einsum("bhtd,hd->bht", q_pre, b_k)[..., None]
+    assert (s_abs + const - s_naive).abs().max().item() < 1e-4

@@ -17,7 +17,7 @@ def dirs(tmp_path_factory):
     from tests.mla.distill_fixtures import make_text, model_dir
 
     d = tmp_path_factory.mktemp("bad")
-    model_dir(d / "hf")  # llama: hidden 64, 2 KV heads, head_dim 16 -> max r_kv 2*(32-8) = 48 at d_rope 8
+    model_dir(d / "hf")  # llama: hidden 64, 2 KV heads, head_dim 16 -> max r_kv min(64, 2*32 - 8) = 56 at d_rope 8
     from kvexport.models.tiny import tiny_model
 
     tiny_model("llama", vocab_size=96).save_pretrained(d / "other_vocab")
@@ -27,9 +27,13 @@ def dirs(tmp_path_factory):
 
 
 CASES = [
-    (["rewrite", "{hf}", "--mla-rank", "49", "--rope-dim", "8"], 2, "larger than the rank of the stacked K/V"),
+    (["rewrite", "{hf}", "--mla-rank", "57", "--rope-dim", "8"], 2, "larger than the rank of the stacked no-RoPE"),
     (["rewrite", "{hf}", "--mla-rank", "16", "--rope-dim", "7"], 2, "must be even"),
-    (["rewrite", "{hf}", "--mla-rank", "16", "--rope-dim", "32"], 2, "larger than the model's head_dim 16"),
+    (["rewrite", "{hf}", "--mla-rank", "16", "--rope-dim", "34"], 2, "larger than the model's n_kv * head_dim 32"),
+    (["rewrite", "{hf}", "--mla-rank", "16", "--rope-dim", "18", "--rope-init", "xeco"], 2,
+     "larger than the model's head_dim 16"),
+    (["rewrite", "{hf}", "--mla-rank", "16", "--rope-dim", "8", "--rope-init", "pca"], 2, "rope init 'pca' unknown"),
+    (["rewrite", "{hf}", "--mla-rank", "16", "--rope-dim", "8", "--kv-fit", "x"], 2, "latent fit 'x' unknown"),
     (["rewrite", "{hf}", "--mla-energy", "0", "--rope-dim", "8"], 2, "outside (0, 1]"),
     (["rewrite", "{hf}", "--mla-energy", "1.5", "--rope-dim", "8"], 2, "outside (0, 1]"),
     (["rewrite", "{hf}", "--rope-dim", "8"], 2, "exactly one of"),
@@ -79,7 +83,7 @@ def test_hf_config_without_rope_is_refused(tmp_path):
 
 
 def test_rank_too_large_api(tiny_models):
-    with pytest.raises(BadUsage, match="stacked K/V"):
-        rewrite_to_mla(tiny_models("llama"), MLASettings(kv_rank=49, rope_dim=8))
-    assert rewrite_to_mla(tiny_models("llama"), MLASettings(kv_rank=48, rope_dim=8)).mla_plans[0].kv_rank == 48
-    assert torch.is_tensor(rewrite_to_mla(tiny_models("llama"), MLASettings(kv_rank=48, rope_dim=8)).rotary.inv_freq)
+    with pytest.raises(BadUsage, match="stacked no-RoPE keys and values"):
+        rewrite_to_mla(tiny_models("llama"), MLASettings(kv_rank=57, rope_dim=8))
+    mla = rewrite_to_mla(tiny_models("llama"), MLASettings(kv_rank=56, rope_dim=8))
+    assert mla.mla_plans[0].kv_rank == 56 and torch.is_tensor(mla.rotary.inv_freq)

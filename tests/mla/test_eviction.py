@@ -55,6 +55,8 @@ def reference_kept(mla, press, ids):
                           scaling=attn.scaling, layer_idx=i, num_layers=len(mla.layers), n_keep=lc.budget)
         inp.n_keep = press.layer_budgets(len(mla.layers), N)[i]
         torch.manual_seed(0)
+        if hasattr(press, "reset"):  # a seeded press replays its first draw
+            press.reset()
         idx = select_kept(press.score(inp), p, inp.n_keep)
         kept.append(p.gather(2, idx))
     return kept
