@@ -62,6 +62,35 @@ DynamicPluginTensorDesc desc(DataType t)
     d.desc.format = TensorFormat::kLINEAR;
     return d;
 }
+
+//! Prints "DECLARE <plugin> <position> <type>" for every type supportsFormatCombination accepts at each position,
+//! the other positions held at `base`; tests/plugins/test_compile.py compares this with op_support.PLUGIN_IO.
+void declare(char const* plugin, IPluginV3OneBuild* build, std::vector<DataType> const& base, int32_t nbIn)
+{
+    struct Named
+    {
+        DataType t;
+        char const* name;
+    } const types[] = {{DataType::kFLOAT, "f32"}, {DataType::kHALF, "f16"}, {DataType::kBF16, "bf16"},
+        {DataType::kINT32, "i32"}, {DataType::kINT64, "i64"}, {DataType::kBOOL, "bool"}, {DataType::kUINT8, "u8"},
+        {DataType::kINT8, "i8"}};
+    int32_t const n = static_cast<int32_t>(base.size());
+    for (int32_t pos = 0; pos < n; ++pos)
+    {
+        for (Named const& t : types)
+        {
+            std::vector<DynamicPluginTensorDesc> io;
+            for (int32_t i = 0; i < n; ++i)
+            {
+                io.push_back(desc(i == pos ? t.t : base[static_cast<size_t>(i)]));
+            }
+            if (build->supportsFormatCombination(pos, io.data(), nbIn, n - nbIn))
+            {
+                std::printf("DECLARE %s %d %s\n", plugin, pos, t.name);
+            }
+        }
+    }
+}
 } // namespace
 
 int main()
@@ -193,6 +222,14 @@ int main()
     check(!qbuild->supportsFormatCombination(4, lio.data(), 4, 1), "LatentAttention out typed like q");
     lio[1] = desc(DataType::kFLOAT);
     check(!qbuild->supportsFormatCombination(1, lio.data(), 4, 1), "LatentAttention latent typed like q");
+
+    // ---- declared formats (compared with kvexport.tensorrt.op_support.PLUGIN_IO)
+    declare("TopKGather", build,
+        {DataType::kFLOAT, DataType::kHALF, DataType::kHALF, DataType::kINT64, DataType::kHALF, DataType::kHALF,
+            DataType::kINT64, DataType::kINT64},
+        4);
+    declare("LatentAttention", qbuild,
+        {DataType::kHALF, DataType::kHALF, DataType::kINT64, DataType::kINT64, DataType::kHALF}, 4);
 
     // ---- library entry point
     int32_t n = 0;

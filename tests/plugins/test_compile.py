@@ -171,6 +171,30 @@ def test_plugin_host_checks_pass(tmp_path, kernel_objects):
     assert sum(ln.startswith("PASS") for ln in lines) >= 40
     # the bad-attribute paths log one line naming the plugin
     assert "[kvexport::TopKGather] attribute k = 0 is outside [1, 2^31 - 1]" in run.stderr
+    # the formats the plugins declare are the ones the TensorRT-parseability check assumes
+    declared = {}
+    for ln in lines:
+        if ln.startswith("DECLARE "):
+            _, plugin, pos, t = ln.split()
+            declared.setdefault((plugin, int(pos)), set()).add(t)
+    assert declared == _expected_declarations(), declared
+
+
+def _expected_declarations() -> dict:
+    """op_support.PLUGIN_IO at the host check's base combinations (TopKGather: f32 scores, f16 keys/values;
+    LatentAttention: f16), one position varied at a time; BF16 follows KVEXPORT_ENABLE_BF16 (on)."""
+    from kvexport.tensorrt.op_support import PLUGIN_IO
+
+    base = {"TopKGather": ["f32", "f16", "f16", "i64", "f16", "f16", "i64", "i64"],
+            "LatentAttention": ["f16", "f16", "i64", "i64", "f16"]}
+    out = {}
+    for plugin, types in base.items():
+        io = PLUGIN_IO[plugin]
+        decl = [*io.inputs, *io.outputs]
+        index = {name: i for i, (name, _) in enumerate(decl)}
+        for pos, (_, allowed) in enumerate(decl):
+            out[(plugin, pos)] = {types[index[allowed[1:]]]} if isinstance(allowed, str) else set(allowed)
+    return out
 
 
 @pytest.mark.slow
