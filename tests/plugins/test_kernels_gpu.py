@@ -37,6 +37,15 @@ SANITIZER_CASES = ("S37-k5-float16-ties", "special-inf-nan-signed-zero", "decode
                    "decode-S1000-H8-R64+32-bfloat16", "decode-S33-H4-R48+16-float32", "prefill-T5-S64-float16")
 
 
+def _selected(cases):
+    """KVX_GPU_CASES: "sanitizer" (SANITIZER_CASES) or comma-separated case names; unset = every case."""
+    sel = os.environ.get("KVX_GPU_CASES")
+    if not sel:
+        return cases
+    names = set(SANITIZER_CASES) if sel == "sanitizer" else set(sel.split(","))
+    return [c for c in cases if c.name in names]
+
+
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory) -> KernelsLib:
     path = find_kernels_lib()
@@ -51,7 +60,7 @@ def _cuda(t: torch.Tensor) -> torch.Tensor:
     return t.cuda()
 
 
-@pytest.mark.parametrize("case", TOPK_CASES + GPU_ONLY_TOPK, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", _selected(TOPK_CASES + GPU_ONLY_TOPK), ids=lambda c: c.name)
 def test_topk_gather(lib, case):
     inputs = [_cuda(t) for t in case.inputs()]
     outputs = lib.topk_gather(*inputs, case.k)
@@ -59,7 +68,7 @@ def test_topk_gather(lib, case):
     kernel_cases.check_topk(case, inputs, outputs, with_onnx=os.environ.get("KVX_GPU_ONNX") == "1")
 
 
-@pytest.mark.parametrize("case", LATENT_CASES + GPU_ONLY_LATENT, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", _selected(LATENT_CASES + GPU_ONLY_LATENT), ids=lambda c: c.name)
 def test_latent_attention(lib, case):
     inputs = [_cuda(t) for t in case.inputs()]
     out = lib.latent_attention(*inputs, case.R, case.scale)
