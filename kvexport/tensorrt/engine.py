@@ -24,6 +24,7 @@ class EngineReport:
     fp16: bool
     plugin_nodes: dict[str, int] = field(default_factory=dict)
     stripped_functions: list[str] = field(default_factory=list)
+    pinned_fp32_layers: int = 0  # layers computing only TopKGather scores, kept in FP32 under --fp16
     seconds: float = 0.0
     bytes: int = 0
 
@@ -45,6 +46,66 @@ class _Logger:
                     self.errors.append(msg)
 
         self.logger = L()
+
+
+def topk_score_tensors(onnx_path: str | Path) -> set[str]:
+    """Names of the tensors feeding TopKGather's ``scores`` input (graph only; weights are not loaded)."""
+    import onnx
+
+    from kvexport.tensorrt.onnx_prep import KVEXPORT_DOMAIN
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    return {n.input[0] for n in model.graph.node if n.domain == KVEXPORT_DOMAIN and n.op_type == "TopKGather"}
+
+
+def pin_scores_fp32(network, score_tensors: set[str], trt) -> int:
+    """Keep in FP32 the layers whose results only serve TopKGather's scores (the plugin takes FP32 scores only, and
+    FP16 scores could change which slots are kept). Starting at the producers of ``score_tensors``, a layer joins
+    when every consumer of every output is already in the set and none is a network output; activations shared with
+    the rest of the model keep the builder's choice. Returns the number of layers pinned."""
+    layers = [network.get_layer(i) for i in range(getattr(network, "num_layers", 0))]
+    if not layers or not score_tensors:
+        return 0
+    producer, consumers = {}, {}
+    for layer in layers:
+        for j in range(layer.num_outputs):
+            producer[layer.get_output(j).name] = layer
+        for j in range(layer.num_inputs):
+            t = layer.get_input(j)
+            if t is not None:
+                consumers.setdefault(t.name, []).append(layer)
+    outputs = {network.get_output(i).name for i in range(network.num_outputs)}
+    floats = {trt.float32, trt.float16, getattr(trt, "bfloat16", trt.float16)}
+    cone = [producer[t] for t in score_tensors if t in producer]
+    inside = {id(layer) for layer in cone}
+
+    def exclusive(layer) -> bool:
+        for j in range(layer.num_outputs):
+            o = layer.get_output(j)
+            if o.name in outputs or any(id(c) not in inside for c in consumers.get(o.name, [])):
+                return False
+        return True
+
+    grew = True
+    while grew:  # to a fixpoint: a layer may qualify only once all its consumers have joined
+        grew = False
+        for layer in list(cone):
+            for j in range(layer.num_inputs):
+                t = layer.get_input(j)
+                p = producer.get(t.name) if t is not None else None
+                if p is not None and id(p) not in inside and exclusive(p):
+                    cone.append(p)
+                    inside.add(id(p))
+                    grew = True
+    pinned = 0
+    for layer in cone:
+        float_outs = [j for j in range(layer.num_outputs) if layer.get_output(j).dtype in floats]
+        if float_outs:
+            layer.precision = trt.float32
+            for j in float_outs:
+                layer.set_output_type(j, trt.float32)
+            pinned += 1
+    return pinned
 
 
 def _require_gpu(trt, logger) -> object:
@@ -101,6 +162,7 @@ def build_engine(
                     "kvexport engines need the static shapes `kvexport export` writes"
                 )
         config = builder.create_builder_config()
+        pinned = 0
         if fp16:
             flag16 = getattr(trt.BuilderFlag, "FP16", None)
             if flag16 is None:  # TensorRT 11: strongly typed networks only
@@ -109,6 +171,10 @@ def build_engine(
                     "graphs in FP16 instead of passing --fp16"
                 )
             config.set_flag(flag16)
+            pinned = pin_scores_fp32(network, topk_score_tensors(prepared_path), trt)
+            prefer = getattr(trt.BuilderFlag, "PREFER_PRECISION_CONSTRAINTS", None)
+            if pinned and prefer is not None:
+                config.set_flag(prefer)
         if workspace_gib is not None:
             config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * (1 << 30)))
         plan = builder.build_serialized_network(network, config)
@@ -128,6 +194,7 @@ def build_engine(
         fp16=fp16,
         plugin_nodes=prep.plugin_nodes,
         stripped_functions=prep.stripped_functions,
+        pinned_fp32_layers=pinned,
         seconds=time.perf_counter() - t0,
         bytes=engine_path.stat().st_size,
     )
