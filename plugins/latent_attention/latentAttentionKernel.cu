@@ -13,7 +13,7 @@
 //   writes `out`; otherwise float32 partials (accumulator, row max, row sum) for latentCombineKernel.
 // CUDA-core path (fp32, or no tensor-core configuration fits), latentSimtKernel: the same split structure with
 //   float32 shared tiles of 32 slots, lane = slot for the logits and lane = channel for the value sum.
-// latentCombineKernel, grid (B * rows): merges the split partials into `out`.
+// latentCombineKernel, grid (B * rows, R / 128): merges the split partials into `out`.
 //
 // The split count comes from a cost model (planLatentAttention): modelled time of the main kernel (waves of blocks,
 // each bound by its share of memory bandwidth or of tensor / FMA throughput) plus the partials' traffic and the
@@ -199,10 +199,11 @@ __global__ void __launch_bounds__(kMmaMaxThreads) latentMmaKernel(MmaArgs<T> con
     int32_t const n = a.tileSlots;
     MmaSmem const lay = mmaSmem(m16, n, a.ld, a.ldp, warps);
     T* sQ = reinterpret_cast<T*>(smem + lay.q);
-    T* sLat[2] = {reinterpret_cast<T*>(smem + lay.lat0), reinterpret_cast<T*>(smem + lay.lat1)};
     T* sP = reinterpret_cast<T*>(smem + lay.p);
-    int64_t* sLp[2] = {reinterpret_cast<int64_t*>(smem + lay.lp0), reinterpret_cast<int64_t*>(smem + lay.lp1)};
     float* sRed = reinterpret_cast<float*>(smem + lay.red);
+    // the two stages of the latent ring and of its positions (pointer arithmetic, no local arrays)
+    auto sLat = [&](int32_t stage) { return reinterpret_cast<T*>(smem + (stage ? lay.lat1 : lay.lat0)); };
+    auto sLp = [&](int32_t stage) { return reinterpret_cast<int64_t*>(smem + (stage ? lay.lp1 : lay.lp0)); };
 
     int32_t const tid = threadIdx.x;
     int32_t const nThreads = blockDim.x;
@@ -231,7 +232,7 @@ __global__ void __launch_bounds__(kMmaMaxThreads) latentMmaKernel(MmaArgs<T> con
         int32_t const stage = i / (n * pad);
         int32_t const r = (i - stage * n * pad) / pad;
         int32_t const c = a.dim + (i - stage * n * pad - r * pad);
-        sLat[stage][r * a.ld + c] = zero;
+        sLat(stage)[r * a.ld + c] = zero;
     }
 
     int32_t const tiles = static_cast<int32_t>(ceilDiv(a.slots, n));
@@ -245,7 +246,7 @@ __global__ void __launch_bounds__(kMmaMaxThreads) latentMmaKernel(MmaArgs<T> con
     // issues the copies of one tile (latent rows and their positions) as one cp.async group
     auto load = [&](int32_t tile, int32_t stage) {
         int32_t const s0 = tile * n;
-        auto* dst = reinterpret_cast<unsigned char*>(sLat[stage]);
+        auto* dst = reinterpret_cast<unsigned char*>(sLat(stage));
         for (int32_t i = tid; i < n * chunksPerRow; i += nThreads)
         {
             int32_t const r = i / chunksPerRow;
@@ -270,7 +271,7 @@ __global__ void __launch_bounds__(kMmaMaxThreads) latentMmaKernel(MmaArgs<T> con
         for (int32_t r = tid; r < n; r += nThreads)
         {
             bool const in = s0 + r < a.slots;
-            cpAsync<8>(sLp[stage] + r, lpB + (in ? s0 + r : 0), in ? 8 : 0);
+            cpAsync<8>(sLp(stage) + r, lpB + (in ? s0 + r : 0), in ? 8 : 0);
         }
         cpAsyncCommit();
     };
@@ -313,7 +314,8 @@ __global__ void __launch_bounds__(kMmaMaxThreads) latentMmaKernel(MmaArgs<T> con
             cpAsyncWait<0>();
         }
         __syncthreads(); // this tile (and, the first time, the queries) visible to every warp
-        T const* lat = sLat[stage];
+        T const* lat = sLat(stage);
+        int64_t const* lpTile = sLp(stage);
 
         // S = Q Lat^T for 16 rows x SW slots
         float s[kS][4];
@@ -354,7 +356,7 @@ __global__ void __launch_bounds__(kMmaMaxThreads) latentMmaKernel(MmaArgs<T> con
                 int32_t const local = slotBase + j * 8 + 2 * t4 + (i & 1);
                 int32_t const r = i >> 1;
                 bool const in = tile * n + local < a.slots;
-                int64_t const lp = sLp[stage][local];
+                int64_t const lp = lpTile[local];
                 bool const visible = in && lp >= 0 && lp <= qp[r];
                 float const x = visible ? s[j][i] * a.scale : (in ? -FLT_MAX : -INFINITY);
                 s[j][i] = x;
@@ -752,7 +754,8 @@ __global__ void __launch_bounds__(kCombineThreads) latentCombineKernel(float con
     }
     float const total = blockReduce(sum, false, scratch); // also orders the weights[] writes before the reads
     float const inv = 1.0F / total;
-    for (int32_t c = threadIdx.x; c < rank; c += blockDim.x)
+    int32_t const c0 = blockIdx.y * blockDim.x; // blocks of a row split its channels, so short rows fill the GPU
+    for (int32_t c = c0 + threadIdx.x; c < min(rank, c0 + static_cast<int32_t>(blockDim.x)); c += blockDim.x)
     {
         float a = 0.0F;
         for (int32_t s = 0; s < splits; ++s)
@@ -1038,8 +1041,9 @@ cudaError_t launchCombine(LatentAttentionParams const& p, LatentAttentionPlan co
     cudaStream_t stream)
 {
     auto* ws = static_cast<unsigned char*>(p.workspace);
-    auto const rows = static_cast<unsigned int>(static_cast<int64_t>(p.batch) * p.heads * p.queries);
-    latentCombineKernel<T><<<rows, kCombineThreads, 0, stream>>>(reinterpret_cast<float const*>(ws + w.max),
+    dim3 const grid(static_cast<unsigned int>(static_cast<int64_t>(p.batch) * p.heads * p.queries),
+        static_cast<unsigned int>(ceilDiv(p.rank, kCombineThreads)));
+    latentCombineKernel<T><<<grid, kCombineThreads, 0, stream>>>(reinterpret_cast<float const*>(ws + w.max),
         reinterpret_cast<float const*>(ws + w.sum), reinterpret_cast<float const*>(ws + w.acc), plan.splits, p.rank,
         static_cast<T*>(p.out));
     return cudaGetLastError();
