@@ -16,6 +16,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/fast.sh"
 MAXPOS=16384
 [ "${KVX_FAST:-0}" = 1 ] && MAXPOS=1024
-kvexport convert --out "$OUT" --force --mla-rank 24 --rope-dim 8 --max-positions "$MAXPOS" "${FAST[@]}"
+# --baseline (the default, kept even with KVX_FAST): the comparison with the uncompressed model is the point here
+kvexport convert --out "$OUT" --force --mla-rank 24 --rope-dim 8 --max-positions "$MAXPOS" "${FAST[@]}" --baseline
 kvexport inspect "$OUT/mla" --context 8192
 echo "open $OUT/report.html"

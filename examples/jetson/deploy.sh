@@ -24,7 +24,7 @@ else
 fi
 # parity on this board: updates DIR/parity.json and its manifest entry, and the report
 VALIDATE=()
-[ "${KVX_FAST:-0}" = 1 ] && VALIDATE=(--steps 4)
+[ "${KVX_FAST:-0}" = 1 ] && VALIDATE=(--steps 4 --no-fidelity)
 kvexport validate "$DIR" --backend "$BACKEND" "${VALIDATE[@]}"
 # latency / memory -> DIR/profile-$BACKEND.json, beside the profiles taken elsewhere; tegrastats on a Jetson
 PROFILE=(--contexts 512,2048,8192)

@@ -86,8 +86,8 @@ def render_html(rep: dict[str, Any], plots: dict[str, tuple[str, bytes]]) -> str
                                + "</tr></thead>")
                 out.append("<tbody>")
                 for r in b.rows:
-                    cells = [f"<th>{html.escape(str(r[0]))}</th>"] + [_cell(c) for c in r[1:]] if kv else \
-                        [_cell(c) for c in r]
+                    cells = [f"<th>{html.escape(str(r[0]))}</th>"] + [f"<td>{html.escape(str(c))}</td>" for c in r[1:]] \
+                        if kv else [_cell(c) for c in r]
                     out.append("<tr>" + "".join(cells) + "</tr>")
                 out.append("</tbody></table>")
             elif isinstance(b, Warn):

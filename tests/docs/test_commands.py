@@ -20,6 +20,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +36,7 @@ LINKED = ("models", "plugins", "scripts", "benchmarks", "constraints.txt", "exam
 FAST = {
     "convert": ["--contexts", "256", "--decode-steps", "4", "--validate-steps", "4", "--repeats", "1"],
     "profile": ["--contexts", "256", "--decode-steps", "4", "--repeats", "1"],
-    "validate": ["--steps", "4"],
+    "validate": ["--steps", "4", "--no-fidelity"],  # the quickstart's conversion measures fidelity
     "distill": ["--tokens", "1024", "--seq-len", "64", "--batch-size", "2", "--save-every", "1000", "--no-progress"],
     "generate": ["-n", "8"],
 }
@@ -58,6 +59,9 @@ SKIP = [
     (r"^python scripts/train_reference\.py", "trains the reference models (hours)"),
     (r"lm_eval", "needs the optional lm-eval package (pip install 'kvexport[eval]')"),
 ]
+
+#: what a command must not print on stderr (library progress bars and warnings kvexport silences)
+NOISE = ("Loading weights", "Removed shared tensor", "Writing model shards")
 
 #: placeholders of the docs -> what stands for them here
 #: (the Jetson README's ~/DIR is the directory copied to the board's home: here the scratch directory itself)
@@ -181,12 +185,20 @@ def _substitute(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def scratch(tmp_path_factory) -> Path:
-    """A directory that looks like a checkout, with the inputs the docs name (a tiny model dir whose K/V is
-    wide enough for the docs' ranks, training text)."""
+def scratch_factory(tmp_path_factory):
+    """Makes a directory that looks like a checkout, with the inputs the docs name (a tiny model dir whose
+    K/V is wide enough for the docs' ranks, training text)."""
+    return lambda: make_scratch(tmp_path_factory.mktemp("docs"))
+
+
+@pytest.fixture(scope="module")
+def scratch(scratch_factory) -> Path:
+    return scratch_factory()
+
+
+def make_scratch(d: Path) -> Path:
     from tests.convert.helpers import make_tiny_hf_dir
 
-    d = tmp_path_factory.mktemp("docs")
     for name in LINKED:
         (d / name).symlink_to(ROOT / name)
     (d / "docs").mkdir()
@@ -242,63 +254,6 @@ def _checks(text: str, cwd: Path) -> None:
         assert (out / "manifest.json").is_file() and list(out.glob("*.onnx"))
 
 
-def test_docs_commands(scratch):
-    """Every command block that can run here, in file order (README first), in one scratch checkout."""
-    ran, done = [], {}
-    for rel in DOCS:
-        block_outs: dict[str, set[str]] = {}
-        for c in commands(rel):
-            text = _substitute(c.text)
-            if c.lang != "bash" or skip_reason(text) is not None or is_synopsis(text):  # synopses: see above
-                continue
-            if text.startswith("chromium") and shutil.which("chromium") is None:
-                continue  # the screenshot command; the browser tests say chromium is missing
-            out = _out_of(text)
-            line_block = c.source.rsplit(":", 1)[0] + ":" + str(_block_of(c))
-            if out and out in block_outs.get(line_block, set()):
-                shutil.rmtree(scratch / out)  # alternatives in one block write the same --out: each runs fresh
-            block_outs.setdefault(line_block, set()).add(out or "")
-            key = _dedupe_key(text)
-            if key in done:  # the same conversion under another name: copy it instead of redoing it
-                prev, out = done[key], _out_of(text)
-                if prev and out and prev != out:
-                    shutil.copytree(scratch / prev, scratch / out, symlinks=True, dirs_exist_ok=True)
-                continue
-            r = _run(_fast(text), scratch)
-            assert r.returncode == 0, f"{c.source}: `{text}` exited {r.returncode}\n{r.stdout[-3000:]}\n" \
-                                      f"{r.stderr[-3000:]}"
-            _checks(text, scratch)
-            done[key] = _out_of(text)
-            ran.append(c.source)
-    assert len(ran) >= 20, ran
-    # the quickstart's conversion passed on through the Jetson flow: deploy.sh on CPU (TensorRT steps skipped)
-    r = _run("bash examples/jetson/deploy.sh kvx-student-kvx 87", scratch)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "skipping the TensorRT steps" in r.stdout
-    from kvexport.convert import layout
-
-    layout.verify_conversion(scratch / "kvx-student-kvx")
-    shot = scratch / "docs" / "report_screenshot.png"
-    if shutil.which("chromium"):  # docs/convert.md's screenshot command drew the quickstart's report
-        from tests.report.test_report import png_size
-
-        assert png_size(shot.read_bytes()) == (1280, 1500)
-
-
-def test_readme_python_snippets(scratch):
-    """README's Python blocks run as written; docs' complete snippets too (fragments are listed)."""
-    n = 0
-    for rel in DOCS:
-        for lang, line, body in _blocks(rel):
-            if lang != "python" or rel in FRAGMENTS:
-                continue
-            r = subprocess.run([sys.executable, "-c", body], cwd=scratch, env=_env(scratch), capture_output=True,
-                               text=True, timeout=600)
-            assert r.returncode == 0, f"{rel}:{line}\n{body}\n{r.stderr[-3000:]}"
-            n += 1
-    assert n >= 2
-
-
 def _out_of(text: str) -> str | None:
     words = shlex.split(text)
     for flag in ("--out", "-o"):
@@ -314,6 +269,130 @@ def _dedupe_key(text: str) -> str:
         i = words.index("--out")
         return " ".join(words[:i] + words[i + 2:])
     return text
+
+
+def runnable() -> list[tuple[Cmd, str]]:
+    """(command, text with placeholders substituted) of every command that runs here, in file order."""
+    out = []
+    for c in all_commands():
+        text = _substitute(c.text)
+        if c.lang != "bash" or skip_reason(text) is not None or is_synopsis(text):  # synopses: checked above
+            continue
+        out.append((c, text))
+    return out
+
+
+def chains() -> dict[str, list[tuple[Cmd, str]]]:
+    """The runnable commands grouped into independent chains: a command joins the chain of every earlier
+    command whose output (``--out``, a conversion of the same settings) it names. Chains run as separate
+    tests (in parallel under xdist), each in order in its own scratch checkout."""
+    cmds = runnable()
+    parent = list(range(len(cmds)))
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    outs: dict[str, int] = {}
+    keys: dict[str, int] = {}
+    for i, (_, text) in enumerate(cmds):
+        for o, j in outs.items():
+            if re.search(rf"(^|[\s/=]){re.escape(o)}(/|\s|$)", text):
+                parent[find(i)] = find(j)
+        k = _dedupe_key(text)
+        if k in keys:
+            parent[find(i)] = find(keys[k])
+        keys.setdefault(k, i)
+        for o in _outputs(text):
+            outs.setdefault(o, i)
+    groups: dict[int, list[int]] = {}
+    for i in range(len(cmds)):
+        groups.setdefault(find(i), []).append(i)
+    named = {}
+    for members in groups.values():
+        first = cmds[members[0]]
+        named[_outputs(first[1])[0] if _outputs(first[1]) else first[0].source] = [cmds[i] for i in members]
+    return named
+
+
+def _outputs(text: str) -> list[str]:
+    words = shlex.split(text)
+    o = _out_of(text)
+    if o is None and words[:2] == ["kvexport", "distill"]:
+        o = words[2].rstrip("/") + "-distilled"
+    return [o.rstrip("/")] if o else []
+
+
+CHAINS = chains()
+#: the chain that ends with the Jetson flow (deploy.sh on the quickstart's conversion) and the screenshot
+QUICKSTART = "out/kvx-student"
+
+
+@pytest.mark.parametrize("chain", sorted(CHAINS))
+def test_docs_commands(chain, scratch_factory):
+    """The commands of one chain, in file order, in a fresh scratch checkout; each exits 0 and keeps what it
+    promises. The quickstart's chain then runs examples/jetson/deploy.sh on CPU (TensorRT steps skipped)."""
+    scratch = scratch_factory()
+    done, block_outs, times = {}, {}, []
+    for c, text in CHAINS[chain]:
+        if text.startswith("chromium") and shutil.which("chromium") is None:
+            continue  # the screenshot command; the browser tests say chromium is missing
+        out = _out_of(text)
+        block = f"{c.source.rsplit(':', 1)[0]}:{c.block}"
+        if out and out in block_outs.get(block, set()):
+            shutil.rmtree(scratch / out)  # alternatives in one block write the same --out: each runs fresh
+        block_outs.setdefault(block, set()).add(out or "")
+        key = _dedupe_key(text)
+        if key in done:  # the same conversion under another name: copy it instead of redoing it
+            prev = done[key]
+            if prev and out and prev != out:
+                shutil.copytree(scratch / prev, scratch / out, symlinks=True, dirs_exist_ok=True)
+            continue
+        t0 = time.perf_counter()
+        r = _run(_fast(text), scratch)
+        times.append(f"{time.perf_counter() - t0:6.1f}s  {c.source}  {text[:90]}")
+        assert r.returncode == 0, f"{c.source}: `{text}` exited {r.returncode}\n{r.stdout[-3000:]}\n" \
+                                  f"{r.stderr[-3000:]}"
+        for noise in NOISE:
+            assert noise not in r.stderr, f"{c.source}: `{text}` printed {noise!r}"
+        _checks(text, scratch)
+        done[key] = out
+    print("\n".join(times))  # where the time goes (pytest -s)
+    if chain != QUICKSTART:
+        return
+    r = _run("bash examples/jetson/deploy.sh kvx-student-kvx 87", scratch)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "skipping the TensorRT steps" in r.stdout
+    from kvexport.convert import layout
+
+    layout.verify_conversion(scratch / "kvx-student-kvx")
+    assert (scratch / "kvx-student-kvx" / "report.html").stat().st_mtime >= \
+        (scratch / "kvx-student-kvx" / "parity.json").stat().st_mtime
+    if shutil.which("chromium"):  # docs/convert.md's screenshot command drew the quickstart's report
+        from tests.report.test_report import png_size
+
+        assert png_size((scratch / "docs" / "report_screenshot.png").read_bytes()) == (1280, 1500)
+
+
+def test_chains_cover_every_runnable_command():
+    assert sum(len(v) for v in CHAINS.values()) == len(runnable()) >= 20
+    assert QUICKSTART in CHAINS and any("deploy" in t or "kvx-student-kvx" in t for _, t in CHAINS[QUICKSTART])
+
+
+def test_readme_python_snippets(scratch):
+    """README's Python blocks run as written; docs' complete snippets too (fragments are listed)."""
+    n = 0
+    for rel in DOCS:
+        for lang, line, body in _blocks(rel):
+            if lang != "python" or rel in FRAGMENTS:
+                continue
+            r = subprocess.run([sys.executable, "-c", body], cwd=scratch, env=_env(scratch), capture_output=True,
+                               text=True, timeout=600)
+            assert r.returncode == 0, f"{rel}:{line}\n{body}\n{r.stderr[-3000:]}"
+            n += 1
+    assert n >= 2
 
 
 EXAMPLES = {
