@@ -230,3 +230,30 @@ def test_cmake_kernels_only_build(tmp_path):
             "kvx_query_device",
             "kvx_abi_version",
         } <= exported
+
+
+@pytest.mark.slow
+@needs_nvcc
+@needs_trt
+def test_cmake_plugin_library_needs_no_libnvinfer(tmp_path):
+    """The default build registers nothing itself: it exports getCreators / setLoggerFinder and links no TensorRT
+    library (so the lean runtime can load it); found with headers only."""
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        pytest.skip("cmake not found")
+    build = tmp_path / "build"
+    env = {**os.environ, "CUDACXX": NVCC}
+    r = subprocess.run([cmake, "-S", str(PLUGINS), "-B", str(build), f"-DTENSORRT_INCLUDE_DIR={TRT_INCLUDE}",
+                        "-DCMAKE_CUDA_ARCHITECTURES=90"], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = subprocess.run([cmake, "--build", str(build), "-j2"], capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lib = build / "libkvexport_plugins.so"
+    readelf, nm = shutil.which("readelf"), shutil.which("nm")
+    if readelf is None or nm is None:
+        pytest.skip("binutils (readelf, nm) not found")
+    needed = subprocess.run([readelf, "-d", str(lib)], capture_output=True, text=True).stdout
+    assert "nvinfer" not in needed, needed
+    syms = subprocess.run([nm, "-D", "--defined-only", str(lib)], capture_output=True, text=True).stdout
+    exported = {ln.split()[-1] for ln in syms.splitlines() if " T " in ln}
+    assert {"getCreators", "setLoggerFinder", "kvx_topk_gather", "kvx_latent_attention"} <= exported

@@ -97,6 +97,24 @@ def test_latent_attention_paths_covered(fast_exe):
     assert {("mma", True), ("mma", False), ("simt", True)} <= seen, seen
 
 
+def test_latent_attention_rejects_rank_too_large(fast_exe):
+    """As on the GPU (test_kernels_gpu): rank 513 is refused with cudaErrorInvalidValue, nothing is launched."""
+    z = kernel_cases.torch.zeros
+    jobs = Jobs()
+    job = jobs.latent_attention(z(1, 1, 1, 600), z(1, 4, 600), z(1, 1, dtype=kernel_cases.torch.long),
+                                z(1, 4, dtype=kernel_cases.torch.long), 513, 0.1)
+    jobs.run(fast_exe)
+    assert job.status == 1
+
+
+def test_topk_gather_rejects_k_above_slots(fast_exe):
+    z = kernel_cases.torch.zeros
+    jobs = Jobs()
+    job = jobs.topk_gather(z(1, 1, 8), z(1, 1, 8, 1), z(1, 1, 8, 1), z(1, 1, 8, dtype=kernel_cases.torch.long), 9)
+    jobs.run(fast_exe)
+    assert job.status == 1
+
+
 # ------------------------------------------------------------------------------------------------ sanitizers
 ASAN_TOPK = [c for c in TOPK_CASES if c.S <= 4096]
 ASAN_LATENT = [c for c in LATENT_CASES if c.S <= 1000 and c.H * c.T <= 64]

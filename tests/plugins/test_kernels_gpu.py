@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """The CUDA kernels on a GPU (libkvexport_kernels.so through ctypes) against the references of kernel_cases.
 
-Every case of kernel_cases (the same list the CPU path runs in CI; emulated-GPU settings do not apply here, the
-real device plans the launch), plus GPU-only sizes too slow for the CPU path. Fresh random inputs, outputs
-poisoned before each call. Skips without a CUDA GPU; builds the library with nvcc when it is not found (a build
-failure is a test failure, not a skip). Imports no polygraphy and no TensorRT (runs on a bare GPU machine).
+Exactly the cases the CPU path runs in CI (tests/plugins/test_kernels_cpu.py; emulated-GPU settings do not apply
+here, the real device plans the launch), and the same two rejections. Larger sizes are checked by the benchmark of
+scripts/gpu_check.sh. Fresh random inputs, outputs poisoned before each call. Skips without a CUDA GPU; builds the
+library with nvcc when it is not found (a build failure is a test failure, not a skip). Imports no polygraphy and
+no TensorRT (runs on a bare GPU machine).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from tests.plugins import kernel_cases
-from tests.plugins.kernel_cases import LATENT_CASES, TOPK_CASES, LatentCase, TopKCase
+from tests.plugins.kernel_cases import LATENT_CASES, TOPK_CASES
 from tests.plugins.kernels_lib import KernelsLib, build_kernels, find_kernels_lib, nvcc
 
 pytestmark = [
@@ -23,15 +24,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
 ]
 
-GPU_ONLY_TOPK = [
-    TopKCase("gpu-S65536-k2048", 1, 1, 65536, 2048, Dk=576, Dv=0, dtype=torch.float16),
-    TopKCase("gpu-S32768-k8192-batch", 4, 8, 32768, 8192, dtype=torch.bfloat16, scores="ties"),
-]
-GPU_ONLY_LATENT = [
-    LatentCase("gpu-S32768-H128-R512+64-fp16", 1, 128, 1, 32768, 512, 64, torch.float16),
-    LatentCase("gpu-S16384-H32-R128+32-bf16-B8", 8, 32, 1, 16384, 128, 32, torch.bfloat16),
-    LatentCase("gpu-S8192-H128-R512+64-fp32", 1, 128, 1, 8192, 512, 64, torch.float32),
-]
 #: the cases scripts/gpu_check.sh runs under compute-sanitizer (small, one of each kernel path)
 SANITIZER_CASES = ("S37-k5-float16-ties", "special-inf-nan-signed-zero", "decode-S33-H32-R512+64-float16",
                    "decode-S1000-H8-R64+32-bfloat16", "decode-S33-H4-R48+16-float32", "prefill-T5-S64-float16")
@@ -60,7 +52,7 @@ def _cuda(t: torch.Tensor) -> torch.Tensor:
     return t.cuda()
 
 
-@pytest.mark.parametrize("case", _selected(TOPK_CASES + GPU_ONLY_TOPK), ids=lambda c: c.name)
+@pytest.mark.parametrize("case", _selected(TOPK_CASES), ids=lambda c: c.name)
 def test_topk_gather(lib, case):
     inputs = [_cuda(t) for t in case.inputs()]
     outputs = lib.topk_gather(*inputs, case.k)
@@ -68,7 +60,7 @@ def test_topk_gather(lib, case):
     kernel_cases.check_topk(case, inputs, outputs, with_onnx=os.environ.get("KVX_GPU_ONNX") == "1")
 
 
-@pytest.mark.parametrize("case", _selected(LATENT_CASES + GPU_ONLY_LATENT), ids=lambda c: c.name)
+@pytest.mark.parametrize("case", _selected(LATENT_CASES), ids=lambda c: c.name)
 def test_latent_attention(lib, case):
     inputs = [_cuda(t) for t in case.inputs()]
     out = lib.latent_attention(*inputs, case.R, case.scale)
