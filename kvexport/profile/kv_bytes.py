@@ -11,8 +11,9 @@ per layer); a full cache holds every token of the context (a static export witho
 
 Memory as held (:meth:`CacheShape.resident_bytes_at`): every buffer a sequence keeps, not only K/V —
 positions (int64 per slot and cache head; one row per token for a growing past), the press's query ring
-(``window`` pre-RoPE queries per layer, ``query_heads x query_dim``, plus one int64 position row), the logits
-buffer, and for a runtime that ping-pongs its caches (onnxruntime) a second copy of every cache buffer. The
+(``window`` pre-RoPE queries per layer, ``query_heads x query_dim``, plus one int64 position row), a static
+runtime's logits buffer, and for a runtime that ping-pongs its caches (onnxruntime) a second copy of every
+cache buffer. The
 runtimes report what they allocated (``resident_bytes()``); tests hold the two together.
 """
 
@@ -104,7 +105,8 @@ class CacheShape:
             out["queries"] = batch * self.query_heads * self.window * sum(dims) * self.dtype_bytes
             out["query_positions"] = batch * self.window * 8
         out["double_buffers"] = sum(out.values()) if double_buffered else 0
-        out["logits"] = batch * self.vocab_size * self.dtype_bytes
+        static = self.evicting or bool(self.capacity)  # a growing past gets fresh outputs each step instead
+        out["logits"] = batch * self.vocab_size * self.dtype_bytes if static else 0
         out["total"] = sum(out.values())
         return out
 

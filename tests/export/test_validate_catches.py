@@ -1,0 +1,86 @@
+# SPDX-License-Identifier: Apache-2.0
+"""validate fails a runtime with a planted bug, and passes the real one on the same export.
+
+The bugs are the ones a host loop can have: padding a short last chunk at its end (the press then observes
+padding and evicts the prompt's tail: what earlier versions did and their validation missed), and writing a
+decode token one slot off. The reference is the library's generate on unpadded prompts, so neither can hide.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvexport.cache.plan import DecodeStep
+from kvexport.errors import ParityFailure
+from kvexport.export import OrtGenerator, export_model, validate
+from kvexport.presses import make_press
+
+PROMPTS = [21, 45]  # chunk 8: last chunks of 5 real columns
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("v") / "x"
+    hf = tiny_models("llama")
+    return export_model(hf, out, press=make_press("snapkv", budget=12, window_size=4), window=4, chunk=8), hf
+
+
+class EndPadded(OrtGenerator):
+    """The last chunk's padding placed after its real columns, and the graph told there is none."""
+
+    def prefill(self, input_ids, attention_mask=None):
+        ids = np.asarray(input_ids, np.int64)
+        N, C = ids.shape[1], int(self.settings["chunk"])
+        self.reset()
+        self.next_pos = np.full(self.batch, N, np.int64)
+        pos = np.arange(N)[None].repeat(self.batch, 0)
+        for index, chunk in enumerate(self.plan.chunks(N)):
+            step = self.state.prefill(chunk.n_real)
+            c_ids = np.concatenate([ids[:, chunk.start:chunk.stop], np.zeros((self.batch, chunk.pad), np.int64)], 1)
+            c_pos = np.concatenate([pos[:, chunk.start:chunk.stop], np.full((self.batch, chunk.pad), -1)], 1)
+            self._run("prefill", self._feeds("prefill", input_ids=c_ids, positions=c_pos,
+                                             fill=np.array(step.fills, np.int64), n_pad=np.zeros(1, np.int64)))
+            if step.any_compaction:
+                self._compacted(f"prefill:{index}")
+        self.last_logits = self._logits_now()
+        return self.last_logits.copy()
+
+
+class SlotOff(OrtGenerator):
+    """Decode tokens written one slot past where the plan puts them."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        decode = self.state.decode
+
+        def off():
+            s = decode()
+            return DecodeStep(tuple(x + 1 for x in s.slots), s.query_slot, s.compact, s.fills_after)
+
+        self.state.decode = off
+
+
+@pytest.mark.parametrize("bug", [EndPadded, SlotOff], ids=["end-padded chunk", "slot off by one"])
+def test_validate_fails_a_planted_bug(exported, bug):
+    out, hf = exported
+    kw = dict(prompts=PROMPTS, steps=8, fidelity=False, write=False, model=hf)
+    good = validate(out, **kw)["pairs"]["pytorch~onnxruntime"]
+    assert good["passed"] and good["index_agreement"] == 1.0 and good["max_abs_logit_error"] <= 1e-4
+    bad = validate(out, candidate=bug(out), **kw)["pairs"]["pytorch~onnxruntime"]
+    assert not bad["passed"]
+    assert bad["index_agreement"] < 1.0 or bad["max_abs_logit_error"] > 1e-2
+    with pytest.raises(ParityFailure):
+        validate(out, candidate=bug(out), raise_on_failure=True, **kw)
+
+
+def test_end_padding_evicts_the_prompt_tail(exported):
+    """What the planted bug does, measured: the last chunk's tokens are lost after the prefill."""
+    ids = np.random.default_rng(0).integers(3, 128, (1, 21))
+    tails = {}
+    for cls in (OrtGenerator, EndPadded):
+        g = cls(exported[0])
+        g.prefill(ids)
+        tails[cls.__name__] = [int((p[0] >= 16).sum()) for p in g.kept_positions()]  # positions 16..20: last chunk
+    assert min(tails["OrtGenerator"]) >= 2 * 4  # SnapKV keeps its 4 observing tokens, per KV head and layer
+    assert min(tails["EndPadded"]) < 2 * 4
