@@ -31,7 +31,7 @@ class EndPadded(OrtGenerator):
 
     def prefill(self, input_ids, attention_mask=None):
         ids = np.asarray(input_ids, np.int64)
-        N, C = ids.shape[1], int(self.settings["chunk"])
+        N = ids.shape[1]
         self.reset()
         self.next_pos = np.full(self.batch, N, np.int64)
         pos = np.arange(N)[None].repeat(self.batch, 0)
