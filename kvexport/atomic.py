@@ -87,13 +87,37 @@ def leftovers(parent: str | Path, name: str) -> list[Path]:
     return sorted(Path(parent).glob(f".{name}.*"))
 
 
+def umask() -> int:
+    """The process's file-creation mask (read without changing it for longer than the call)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def user_mode(path: str | Path) -> None:
+    """Give ``path`` the mode a plain ``open()`` / ``mkdir()`` would under the user's umask (0644 / 0755 by
+    default): temporary files (``mkstemp``, onnx's external data) are created 0600, which an engine build running
+    as another user cannot read. Directories are walked."""
+    p = Path(path)
+    mask = umask()
+    if p.is_dir():
+        os.chmod(p, 0o777 & ~mask)
+        for child in p.rglob("*"):
+            if not child.is_symlink():
+                os.chmod(child, (0o777 if child.is_dir() else 0o666) & ~mask)
+    else:
+        os.chmod(p, 0o666 & ~mask)
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to a temporary sibling of ``path`` and rename it onto ``path`` (removed on any error)."""
+    """Write ``data`` to a temporary sibling of ``path`` and rename it onto ``path`` (removed on any error); the
+    file gets the user's umask mode."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        user_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -101,4 +125,5 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         raise
 
 
-__all__ = ["Interrupted", "SignalState", "interrupts_raise", "leftovers", "atomic_write_bytes", "SIGNALS"]
+__all__ = ["Interrupted", "SignalState", "interrupts_raise", "leftovers", "atomic_write_bytes", "user_mode", "umask",
+           "SIGNALS"]

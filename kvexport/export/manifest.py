@@ -145,7 +145,6 @@ def atomic_output(out: str | Path, force: bool = False) -> Iterator[Path]:
     try:
         parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
-        os.chmod(tmp, 0o755)
     except OSError as e:
         raise BadUsage(f"--out {out}: cannot create a directory there ({e.strerror})") from None
     try:
@@ -153,6 +152,9 @@ def atomic_output(out: str | Path, force: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    from kvexport.atomic import user_mode
+
+    user_mode(tmp)  # mkdtemp is 0700 and onnx writes external data 0600: the user's umask instead
     old = None
     if out.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=parent))

@@ -1,0 +1,34 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Outputs follow the user's umask (0644 files / 0755 directories by default), so an engine build running as
+another user can read them: temporary files (mkstemp) and onnx's external data are created 0600 otherwise."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from kvexport.export import export_model, validate
+from kvexport.export import exporter as exporter_mod
+
+
+def modes(root):
+    return {p.relative_to(root).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in [root, *root.rglob("*")]}
+
+
+@pytest.mark.parametrize("mask,file_mode,dir_mode", [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)])
+def test_export_and_parity_follow_the_umask(tiny_models, tmp_path, monkeypatch, mask, file_mode, dir_mode):
+    monkeypatch.setattr(exporter_mod, "EXTERNAL_DATA_BYTES", 0)  # external .onnx.data files, as for a real model
+    old = os.umask(mask)
+    try:
+        hf = tiny_models("llama")
+        out = export_model(hf, tmp_path / "x", press="knorm", budget=12, window=4, chunk=8)
+        validate(out, model=hf, prompts=[9], steps=2, fidelity=False)
+    finally:
+        os.umask(old)
+    got = modes(out)
+    assert any(name.endswith(".onnx.data") for name in got) and "parity.json" in got
+    for name, mode in got.items():
+        want = dir_mode if (out / name).is_dir() else file_mode
+        assert mode == want, f"{name}: {oct(mode)} != {oct(want)}"
