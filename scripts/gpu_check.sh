@@ -6,8 +6,8 @@
 #
 #   1. imports      the modules this check uses load without polygraphy / tensorrt; the benchmark grid
 #   2. build        nvcc -shared the kernels for the GPU's arch (sm_90 on H100 / H200)
-#   3. tests        tests/plugins/test_kernels_gpu.py: every kernel case of the CPU path plus GPU-only sizes, against
-#                   the torch references (fresh random inputs, outputs poisoned first)
+#   3. tests        tests/plugins/test_kernels_gpu.py: the kernel cases of the CPU path, against the torch references
+#                   (fresh random inputs, outputs poisoned first); the benchmark checks the large sizes
 #   4. benchmark    LatentAttention decode (32 / 128 heads, R 512+64 / 128+32, S 4k-64k, batch 1-16) and TopKGather
 #                   with CUDA events, against the device-to-device copy bandwidth measured here
 #   5. memcheck, racecheck   compute-sanitizer on small cases (PYTORCH_NO_CUDA_MEMORY_CACHING=1)
@@ -30,7 +30,7 @@ DRY=0
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '3,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "error: unknown argument $arg (accepted: --dry-run)" >&2; exit 2 ;;
     esac
 done

@@ -109,9 +109,9 @@ def _headers() -> list[Path]:
     return sorted({*PLUGINS.rglob("*.h"), *PLUGINS.rglob("*.cuh"), *(p for p in SHIM.iterdir() if p.suffix == ".h")})
 
 
-def _units(plant: tuple[str, str, str] | None) -> list[tuple[str, str, list[Path]]]:
+def _units(plant: tuple[str, str, str] | None, driver: bool = True) -> list[tuple[str, str, list[Path]]]:
     """(name, C++ text, extra quote-include dirs) of every translation unit: shim runtime, driver, rewritten kernels."""
-    units = [(p.name, p.read_text(), []) for p in (SHIM / "kvx_cpu_shim.cpp", SHIM / "driver.cpp")]
+    units = [(p.name, p.read_text(), []) for p in (SHIM / "kvx_cpu_shim.cpp", *([SHIM / "driver.cpp"] if driver else []))]
     for src in KERNEL_SOURCES:
         text = src.read_text()
         if plant is not None and src == ROOT / plant[0]:
@@ -123,31 +123,34 @@ def _units(plant: tuple[str, str, str] | None) -> list[tuple[str, str, list[Path
     return units
 
 
-def build(variant: str = "fast", plant: tuple[str, str, str] | None = None, jobs: int = 2) -> Path:
+def build(variant: str = "fast", plant: tuple[str, str, str] | None = None, jobs: int = 2,
+          shared: bool = False) -> Path:
     """Build (or reuse) the driver executable of ``variant``; objects and executables are cached by content hash.
 
     plant: ``(path relative to the repository, old, new)``: replaces the one occurrence of ``old`` in that kernel
     source before the rewrite (a deliberately broken copy for the tests that show a bug is caught).
+    shared: build ``libkvexport_kernels_cpu.so`` instead (shim + kernels, the kvx_* C interface, no driver), which
+    tests/plugins/kernels_lib.py loads like the CUDA library.
     """
     cxx = compiler()
     if cxx is None:
         raise FileNotFoundError("no C++ compiler (g++ or $CXX)")
-    flags = [*COMMON_FLAGS, *VARIANTS[variant]]
+    flags = [*COMMON_FLAGS, *VARIANTS[variant], *(["-fPIC"] if shared else [])]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     base = hashlib.sha256("\0".join([cxx, version, *flags]).encode())
     for p in _headers():
         base.update(str(p.relative_to(ROOT)).encode() + b"\0" + p.read_bytes())
     root = _build_root()
     (root / "objs").mkdir(parents=True, exist_ok=True)
-    units = _units(plant)
+    units = _units(plant, driver=not shared)
     keys = []
     for name, text, _ in units:
         h = base.copy()
         h.update(name.encode() + b"\0" + text.encode())
         keys.append(h.hexdigest()[:20])
     exe_key = hashlib.sha256("".join(keys).encode()).hexdigest()[:16]
-    out = root / f"{variant}-{exe_key}"
-    exe = out / "kvx_cpu_driver"
+    out = root / f"{variant}{'-lib' if shared else ''}-{exe_key}"
+    exe = out / ("libkvexport_kernels_cpu.so" if shared else "kvx_cpu_driver")
     with open(root / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if exe.exists():
@@ -174,8 +177,8 @@ def build(variant: str = "fast", plant: tuple[str, str, str] | None = None, jobs
         try:
             with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
                 objs = list(pool.map(compile_one, range(len(units))))
-            r = subprocess.run([cxx, *flags, *map(str, objs), "-o", str(tmp / exe.name)], capture_output=True,
-                               text=True)
+            link = [cxx, *flags, *(["-shared"] if shared else []), *map(str, objs), "-o", str(tmp / exe.name)]
+            r = subprocess.run(link, capture_output=True, text=True)
             if r.returncode != 0:
                 raise CpuKernelError(f"link failed:\n{r.stderr[-6000:]}")
             out.mkdir(exist_ok=True)

@@ -91,7 +91,7 @@ class KernelsLib:
         lib.kvx_topk_gather_workspace_size.restype = sz
         lib.kvx_topk_gather_workspace_size.argtypes = [i32, i32, i32]
         lib.kvx_latent_attention.restype = i32
-        lib.kvx_latent_attention.argtypes = [i32, vp, vp, vp, vp, *[i32] * 7, ctypes.c_float, vp, vp, sz, dev_p, vp]
+        lib.kvx_latent_attention.argtypes = [i32, vp, vp, vp, vp, *[i32] * 6, ctypes.c_float, vp, vp, sz, dev_p, vp]
         lib.kvx_latent_attention_workspace_size.restype = sz
         lib.kvx_latent_attention_workspace_size.argtypes = [i32] * 6
         lib.kvx_latent_attention_plan.restype = i32
@@ -106,6 +106,9 @@ class KernelsLib:
 
     @staticmethod
     def _stream() -> ctypes.c_void_p:
+        """torch's current CUDA stream; none for the CPU-shim build of the library (tests)."""
+        if not torch.cuda.is_available():
+            return ctypes.c_void_p(None)
         return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
 
     def topk_gather(self, scores, keys, values, positions, k: int, workspace=None):

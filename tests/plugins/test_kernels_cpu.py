@@ -115,6 +115,23 @@ def test_topk_gather_rejects_k_above_slots(fast_exe):
     assert job.status == 1
 
 
+@pytest.mark.parametrize("name", ["S1000-k333-bfloat16-ties", "mla-no-values", "decode-S1000-H32-R512+64-float16",
+                                  "prefill-T17-S700-float32"])
+def test_gpu_harness_on_the_cpu_library(name):
+    """The GPU tests' ctypes harness (kernels_lib.KernelsLib: signatures, workspace sizes, poisoned outputs) against
+    the CPU build of the same C interface."""
+    from tests.plugins.kernels_lib import KernelsLib
+
+    lib = KernelsLib(cpu_kernels.build("fast", shared=True))
+    case = next(c for c in TOPK_CASES + LATENT_CASES if c.name == name)
+    inputs = case.inputs()
+    if isinstance(case, TopKCase):
+        kernel_cases.check_topk(case, inputs, lib.topk_gather(*inputs, case.k), with_onnx=False)
+    else:
+        assert lib.plan(case.dtype, case.B, case.H, case.T, case.S, case.R + case.Dr, case.R)["splits"] >= 1
+        kernel_cases.check_latent(case, inputs, lib.latent_attention(*inputs, case.R, case.scale), with_onnx=False)
+
+
 # ------------------------------------------------------------------------------------------------ sanitizers
 ASAN_TOPK = [c for c in TOPK_CASES if c.S <= 4096]
 ASAN_LATENT = [c for c in LATENT_CASES if c.S <= 1000 and c.H * c.T <= 64]
