@@ -90,24 +90,25 @@ def timed(torch, fn, flush, iters: int) -> float:
     return times[len(times) // 2]
 
 
-def bench_latent(torch, lib, flush, iters: int) -> list[dict]:
+def bench_latent(torch, lib, timer, grid=None, device: str = "cuda") -> list[dict]:
+    """Rows of the LatentAttention grid; ``timer(fn)`` -> seconds of one fn() (CUDA events on the GPU)."""
     from kvexport.export.ops import latent_attention_reference
     from tests.plugins.kernel_cases import LATENT_TOL
     from tests.plugins.kernels_lib import poisoned
 
     rows = []
-    for label, B, H, R, Dr, S, dname in latent_grid():
+    for label, B, H, R, Dr, S, dname in grid if grid is not None else latent_grid():
         dtype = getattr(torch, dname)
         es = torch.finfo(dtype).bits // 8
         D = R + Dr
-        g = torch.Generator(device="cuda").manual_seed(S + H + B)
-        q = (torch.randn(B, H, 1, D, device="cuda", generator=g) * 0.5).to(dtype)
-        latent = torch.randn(B, S, D, device="cuda", generator=g).to(dtype)
-        lpos = torch.arange(S, device="cuda").expand(B, S).contiguous()
-        qpos = torch.full((B, 1), S - 1, device="cuda")
+        g = torch.Generator(device=device).manual_seed(S + H + B)
+        q = (torch.randn(B, H, 1, D, device=device, generator=g) * 0.5).to(dtype)
+        latent = torch.randn(B, S, D, device=device, generator=g).to(dtype)
+        lpos = torch.arange(S, device=device).expand(B, S).contiguous()
+        qpos = torch.full((B, 1), S - 1, device=device)
         scale = 1 / math.sqrt(D)
-        ws = torch.empty(lib.workspace_size(B, H, 1, S, D, R), dtype=torch.uint8, device="cuda")
-        out = poisoned((B, H, 1, R), dtype, "cuda")
+        ws = torch.empty(lib.workspace_size(B, H, 1, S, D, R), dtype=torch.uint8, device=device)
+        out = poisoned((B, H, 1, R), dtype, device)
         plan = lib.plan(dtype, B, H, 1, S, D, R)
         lib.latent_attention(q, latent, qpos, lpos, R, scale, workspace=ws, out=out)
         err, ok = None, None
@@ -115,8 +116,7 @@ def bench_latent(torch, lib, flush, iters: int) -> list[dict]:
             ref = latent_attention_reference(q, latent, qpos, lpos, R, scale).float()
             err = (out.float() - ref).abs().max().item()
             ok = bool(torch.allclose(out.float(), ref, atol=LATENT_TOL[dtype], rtol=LATENT_TOL[dtype]))
-        call = functools.partial(lib.latent_attention, q, latent, qpos, lpos, R, scale, workspace=ws, out=out)
-        sec = timed(torch, call, flush, iters)
+        sec = timer(functools.partial(lib.latent_attention, q, latent, qpos, lpos, R, scale, workspace=ws, out=out))
         must = must_bytes(B, H, R, Dr, S, es)
         rows.append(dict(label=label, batch=B, heads=H, rank=R, rope=Dr, context=S, dtype=dname, us=sec * 1e6,
                          must_bytes=must, achieved_gbs=must / sec / 1e9, max_abs_err=err, within_tol=ok, **plan))
@@ -125,23 +125,24 @@ def bench_latent(torch, lib, flush, iters: int) -> list[dict]:
     return rows
 
 
-def bench_topk(torch, lib, flush, iters: int) -> list[dict]:
+def bench_topk(torch, lib, timer, shapes=None, device: str = "cuda") -> list[dict]:
+    """Rows of the TopKGather shapes, each checked for the exact kept set."""
     from kvexport.export.ops import topk_gather
 
     rows = []
-    for label, B, H, S, k, Dk, Dv, dname in TOPK_SHAPES:
+    for label, B, H, S, k, Dk, Dv, dname in shapes if shapes is not None else TOPK_SHAPES:
         dtype = getattr(torch, dname)
-        g = torch.Generator(device="cuda").manual_seed(S + k)
-        scores = torch.randn(B, H, S, device="cuda", generator=g)
-        keys = torch.randn(B, H, S, Dk, device="cuda", generator=g).to(dtype)
-        values = torch.randn(B, H, S, Dv, device="cuda", generator=g).to(dtype)
-        pos = torch.arange(S, device="cuda").expand(B, H, S).contiguous()
-        ws = torch.empty(lib.topk_workspace_size(B, H, S), dtype=torch.uint8, device="cuda")
+        g = torch.Generator(device=device).manual_seed(S + k)
+        scores = torch.randn(B, H, S, device=device, generator=g)
+        keys = torch.randn(B, H, S, Dk, device=device, generator=g).to(dtype)
+        values = torch.randn(B, H, S, Dv, device=device, generator=g).to(dtype)
+        pos = torch.arange(S, device=device).expand(B, H, S).contiguous()
+        ws = torch.empty(lib.topk_workspace_size(B, H, S), dtype=torch.uint8, device=device)
         got = lib.topk_gather(scores, keys, values, pos, k, workspace=ws)
         want = topk_gather(scores, keys, values, pos, k)
         exact = all(torch.equal(got[n], w) for n, w in zip(("kept_keys", "kept_values", "kept_positions",
                                                             "kept_indices"), want, strict=True))
-        sec = timed(torch, functools.partial(lib.topk_gather, scores, keys, values, pos, k, workspace=ws), flush, iters)
+        sec = timer(functools.partial(lib.topk_gather, scores, keys, values, pos, k, workspace=ws))
         rows.append(dict(label=label, batch=B, heads=H, slots=S, k=k, key_dim=Dk, value_dim=Dv, dtype=dname,
                          us=sec * 1e6, exact=exact))
         print(f"topk B={B} H={H} S={S} k={k}: {sec * 1e6:.1f} us, exact={exact}", flush=True)
@@ -166,13 +167,21 @@ def bench(lib_path: Path, out: Path, iters: int) -> int:
     meta["copy_gbs"] = copy_bandwidth_gbs(torch)
     l2 = props.L2_cache_size or (64 << 20)
     flush = torch.empty(4 * l2, dtype=torch.uint8, device="cuda")
-    result = dict(meta=meta, latent=bench_latent(torch, lib, flush, iters), topk=bench_topk(torch, lib, flush, iters))
+    def timer(fn):
+        return timed(torch, fn, flush, iters)
+
+    result = dict(meta=meta, latent=bench_latent(torch, lib, timer), topk=bench_topk(torch, lib, timer))
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
-    bad = [r for r in result["latent"] if r["within_tol"] is False] + [r for r in result["topk"] if not r["exact"]]
+    bad = wrong_results(result)
     for r in bad:
         print(f"error: wrong result: {r}", file=sys.stderr)
     return 1 if bad else 0
+
+
+def wrong_results(result: dict) -> list[dict]:
+    """Benchmark rows whose output disagreed with the reference."""
+    return [r for r in result["latent"] if r["within_tol"] is False] + [r for r in result["topk"] if not r["exact"]]
 
 
 # ------------------------------------------------------------------------------------------------- the report

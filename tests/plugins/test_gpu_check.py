@@ -56,3 +56,29 @@ def test_report_shares_and_targets():
     targets = gpu_check._targets(bench)
     assert targets[0].endswith("78 % of copy bandwidth (target 80 %): NOT met")
     assert targets[1] == "target TopKGather S=32k: 42.0 us (target < 50 us): met"
+
+
+def test_benchmark_rows_on_the_cpu_library():
+    """The benchmark code path (inputs, workspaces, reference checks, row fields) on the CPU build of the kernels,
+    with a wall-clock timer: what the one GPU run would execute, minus CUDA events."""
+    import time
+
+    from tests.plugins import cpu_kernels
+    from tests.plugins.kernels_lib import KernelsLib
+
+    if cpu_kernels.compiler() is None:
+        pytest.skip("no C++ compiler for the CPU build")
+    lib = KernelsLib(cpu_kernels.build("fast", shared=True))
+
+    def timer(fn):
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    latent = gpu_check.bench_latent(torch, lib, timer, grid=[("", 1, 8, 64, 32, 200, "float16"),
+                                                            ("", 2, 4, 48, 16, 90, "float32")], device="cpu")
+    topk = gpu_check.bench_topk(torch, lib, timer, shapes=[("t", 1, 2, 3000, 500, 8, 0, "float16")], device="cpu")
+    assert [r["within_tol"] for r in latent] == [True, None]  # the reference check runs at batch 1
+    assert latent[0]["path"] == "mma" and latent[1]["path"] == "simt" and topk[0]["exact"]
+    assert latent[0]["must_bytes"] == gpu_check.must_bytes(1, 8, 64, 32, 200, 2)
+    assert not gpu_check.wrong_results(dict(latent=latent, topk=topk))
