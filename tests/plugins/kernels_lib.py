@@ -51,7 +51,10 @@ def nvcc() -> str | None:
 
 
 def build_kernels(out_dir: Path, arch: str | None = None, timeout: float = 420) -> Path:
-    """nvcc -shared the two kernel sources for ``arch`` (e.g. "90"; default: the current GPU's)."""
+    """nvcc the two kernel sources for ``arch`` (e.g. "90"; default: the current GPU's), in parallel, into a shared
+    library."""
+    from concurrent.futures import ThreadPoolExecutor
+
     if arch is None and torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         arch = f"{major}{minor}"
@@ -59,12 +62,23 @@ def build_kernels(out_dir: Path, arch: str | None = None, timeout: float = 420) 
     if compiler is None:
         raise RuntimeError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
     out_dir.mkdir(parents=True, exist_ok=True)
+    flags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-lineinfo", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+
+    def compile_one(src: str) -> Path:
+        obj = out_dir / (Path(src).stem + ".o")
+        r = subprocess.run([compiler, *flags, "-c", str(ROOT / src), "-o", str(obj)], capture_output=True, text=True,
+                           timeout=timeout)
+        if r.returncode != 0:
+            raise RuntimeError(f"nvcc failed on {src}:\n{r.stderr[-4000:]}")
+        return obj
+
+    with ThreadPoolExecutor(max_workers=len(KERNEL_SOURCES)) as pool:
+        objs = list(pool.map(compile_one, KERNEL_SOURCES))
     lib = out_dir / "libkvexport_kernels.so"
-    cmd = [compiler, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo", f"-gencode=arch=compute_{arch},"
-           f"code=sm_{arch}", *(str(ROOT / s) for s in KERNEL_SOURCES), "-o", str(lib)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run([compiler, "-shared", *flags, *map(str, objs), "-o", str(lib)], capture_output=True, text=True,
+                       timeout=timeout)
     if r.returncode != 0:
-        raise RuntimeError(f"nvcc failed:\n{r.stderr[-4000:]}")
+        raise RuntimeError(f"nvcc link failed:\n{r.stderr[-4000:]}")
     return lib
 
 
