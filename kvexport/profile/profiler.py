@@ -51,9 +51,10 @@ def profile_runner(runner, contexts: list[int], decode_steps: int, vocab_size: i
     decode_ms_mean, tokens_per_s, spread, kv_bytes, [resident], peak_rss_bytes, rss_start_bytes, rss_delta_bytes,
     [gpu_*], [tegrastats]}, ...]}``.
 
-    Each context runs ``repeats`` times (a fresh sequence each time): ``ttft_s`` is the median over the runs,
-    the decode percentiles pool every run's steps, and ``spread`` holds p10/p50/p90 over the runs of
-    ``ttft_s``, ``decode_ms_p50`` and ``decode_ms_p90`` (how much the numbers moved between runs).
+    Each context runs ``repeats`` times (a fresh sequence each time): ``ttft_s``, ``decode_ms_p50`` and
+    ``decode_ms_p90`` are medians over the runs (of each run's TTFT, p50 and p90 step), ``decode_ms_mean`` pools
+    every step, and ``spread`` holds p10/p50/p90 over the runs of those three (how much they moved between
+    runs; the figure itself is that p50).
     ``resident``: what the runner keeps resident for one sequence (``runner.resident_bytes()``) when it says.
     ``on_step(message)``: called before each timed run ("context 2048, run 2/3")."""
     if repeats < 1:
@@ -95,6 +96,8 @@ def profile_runner(runner, contexts: list[int], decode_steps: int, vocab_size: i
                 sampler.__exit__(None, None, None)
         ms = [x for steps in runs for x in steps]
         ttft = percentile(ttfts, 50)
+        p50s, p90s = [percentile(st, 50) for st in runs], [percentile(st, 90) for st in runs]
+        p50, p90 = percentile(p50s, 50), percentile(p90s, 50)
         row: dict[str, Any] = {
             "context": int(C),
             "repeats": repeats,
@@ -102,14 +105,13 @@ def profile_runner(runner, contexts: list[int], decode_steps: int, vocab_size: i
             "ttft_s": ttft,
             "prefill_tokens_per_s": C / ttft if ttft > 0 else None,
             "decode_steps": decode_steps,
-            "decode_ms_p50": percentile(ms, 50),
-            "decode_ms_p90": percentile(ms, 90),
+            "decode_ms_p50": p50,
+            "decode_ms_p90": p90,
             "decode_ms_mean": float(np.mean(ms)),
             # from the median step: one scheduler hiccup on a shared machine does not move it
-            "tokens_per_s": 1e3 / percentile(ms, 50) if ms else None,
+            "tokens_per_s": 1e3 / p50 if ms else None,
             "tokens_per_s_mean": 1e3 / float(np.mean(ms)) if ms else None,
-            "spread": {"ttft_s": spread(ttfts), "decode_ms_p50": spread([percentile(s, 50) for s in runs]),
-                       "decode_ms_p90": spread([percentile(s, 90) for s in runs])},
+            "spread": {"ttft_s": spread(ttfts), "decode_ms_p50": spread(p50s), "decode_ms_p90": spread(p90s)},
             "peak_rss_bytes": mem.peak,
             "rss_start_bytes": mem.start,
             "rss_delta_bytes": mem.delta,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 from typing import Any
 
 from kvexport.report.blocks import Code, Section, Table, Warn, fmt, fmt_bytes, fmt_ratio, verdict_text
@@ -54,9 +55,13 @@ window.addEventListener('load', function () {
 """
 
 
+#: a number with at most a short unit and a bracketed remark: right-aligned in tables
+_NUMERIC = re.compile(r"[-+]?[\d.,]+(e[-+]?\d+)?(\s?\S{1,12})?( \([^)]*\))?")
+
+
 def _cell(v: Any) -> str:
     s = html.escape(str(v))
-    num = isinstance(v, (int, float)) or (isinstance(v, str) and v[:1].isdigit())
+    num = isinstance(v, (int, float)) or (isinstance(v, str) and bool(_NUMERIC.fullmatch(v)))
     return f'<td class="num">{s}</td>' if num else f"<td>{s}</td>"
 
 
