@@ -3,8 +3,7 @@
 
 fp32 tolerances: max abs logit error <= 1e-4 (and Polygraphy's elementwise atol 1e-4 / rtol 1e-3), 100 %
 greedy-token agreement and 100 % kept-index agreement over 64 decode steps, on prompts below, at and
-above the budget and over several chunks. The llama-gqa row runs by default; the other families are
-marked slow (the same checks, ~1 min each on two shared cores).
+above the budget and over several chunks, for every family (CI runs the whole matrix) and fp16.
 """
 
 from __future__ import annotations
@@ -38,8 +37,7 @@ def _cases():
     out = []
     for (family, extra), fid in zip(FAMILIES, FAMILY_IDS, strict=False):
         for name in CONFIGS:
-            marks = [] if fid == "llama-gqa" else [pytest.mark.slow]
-            out.append(pytest.param(family, extra, name, id=f"{fid}-{name}", marks=marks))
+            out.append(pytest.param(family, extra, name, id=f"{fid}-{name}"))
     return out
 
 
@@ -86,7 +84,7 @@ def _reference_decoder(hf, s):
     return load_reference_model({"settings": s}, hf)
 
 
-@pytest.mark.parametrize("dtype,ops", [("fp32", "standard"), pytest.param("fp16", "custom", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dtype,ops", [("fp32", "standard"), ("fp16", "custom")])
 def test_standard_ops_and_fp16(tiny_models, tmp_path, dtype, ops):
     """--ops standard: plain opset-18 ONNX (functions inlined), same parity; fp16 within its tolerances."""
     import onnx
