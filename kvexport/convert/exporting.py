@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The convert stages' calls into kvexport.export: the converted export, the baseline, validation."""
+"""The convert stages' calls into kvexport.export: the converted export and the baseline."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def export_converted(st) -> Path:
                  window=cfg.window if press else 32, chunk=cfg.chunk, dtype="fp16" if cfg.fp16 else "fp32",
                  ops="custom", force=False, max_positions=cfg.max_positions,
                  source=st.work / layout.MLA_DIR if st.mla_decoder is not None else None,
-                 tokenizer_dir=st.model_path)
+                 tokenizer_dir=st.model_path, original=st.model_path)
     return export_model(model, st.work / layout.ONNX_DIR, **kw)
 
 
@@ -42,21 +42,4 @@ def export_baseline(st) -> Path:
     return export_model(st.model_path, st.work / layout.BASELINE_DIR, **kw)
 
 
-def run_validate(st) -> dict[str, Any]:
-    """Validate DIR/onnx (PyTorch vs onnxruntime, + TensorRT pairs when engines exist) -> parity dict.
-
-    The PyTorch reference is the MLA decoder the export was made from (DIR/mla) or, for eviction only,
-    the export's source model. parity.json is written by the caller at DIR's top level.
-    """
-    from kvexport.export.validation import validate
-
-    exp = st.work / layout.ONNX_DIR
-    trt = {}
-    if st.cfg.target == "tensorrt" and getattr(st, "engine_missing", None) is None \
-            and (st.work / layout.ENGINE_DIR / "engines.json").is_file():
-        trt = {"backend": "tensorrt", "engines": st.work / layout.ENGINE_DIR}  # + onnxruntime~tensorrt, pytorch~tensorrt
-    kw = _kwargs(validate, **trt, steps=st.cfg.validate_steps, write=False, raise_on_failure=False)
-    return validate(exp, **kw)
-
-
-__all__ = ["export_converted", "export_baseline", "run_validate"]
+__all__ = ["export_converted", "export_baseline"]
