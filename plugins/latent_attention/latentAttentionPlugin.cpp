@@ -30,7 +30,8 @@ LatentAttentionPlugin::LatentAttentionPlugin(int32_t rank, float scale)
     , mScale(scale)
 {
     require(rank >= 1 && rank <= kLatentAttentionMaxRank,
-        "attribute rank = " + std::to_string(rank) + " is outside [1, " + std::to_string(kLatentAttentionMaxRank) + "]");
+        "attribute rank = " + std::to_string(rank) + " is outside [1, " + std::to_string(kLatentAttentionMaxRank)
+            + "]");
     require(std::isfinite(scale) && scale > 0.0F, "attribute scale must be a positive finite float");
 }
 
@@ -158,7 +159,8 @@ bool LatentAttentionPlugin::supportsFormatCombination(
 }
 
 int32_t LatentAttentionPlugin::configurePlugin(
-    DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept
+    DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const* /*out*/,
+    int32_t nbOutputs) noexcept
 {
     try
     {

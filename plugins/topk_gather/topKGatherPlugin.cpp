@@ -160,7 +160,8 @@ bool TopKGatherPlugin::supportsFormatCombination(
 }
 
 int32_t TopKGatherPlugin::configurePlugin(
-    DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept
+    DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const* /*out*/,
+    int32_t nbOutputs) noexcept
 {
     try
     {

@@ -240,7 +240,8 @@ int main()
         auto* c0 = static_cast<IPluginCreatorV3One*>(creators[0]);
         auto* c1 = static_cast<IPluginCreatorV3One*>(creators[1]);
         check(std::strcmp(c0->getInterfaceInfo().kind, "PLUGIN CREATOR_V3ONE") == 0, "creators are V3One");
-        check(std::strcmp(c0->getPluginName(), "TopKGather") == 0 && std::strcmp(c1->getPluginName(), "LatentAttention") == 0,
+        check(std::strcmp(c0->getPluginName(), "TopKGather") == 0
+                && std::strcmp(c1->getPluginName(), "LatentAttention") == 0,
             "getCreators names");
     }
     std::printf("%d failures\n", gFailures);

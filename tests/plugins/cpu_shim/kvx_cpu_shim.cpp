@@ -204,8 +204,8 @@ unsigned char* stackFor(size_t i)
     while (gStacks.size() <= i)
     {
         size_t const page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-        void* m = mmap(nullptr, stackBytes() + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-            -1, 0);
+        void* m = mmap(nullptr, stackBytes() + page, PROT_READ | PROT_WRITE,
+            MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         if (m == MAP_FAILED)
         {
             fatal("cannot map a fiber stack");
@@ -926,8 +926,8 @@ cudaError_t runGrid(void const* kernelId, dim3 grid, dim3 block, size_t smem, Ke
                 runBlock(b, body, ctx, reverse);
                 if (b.staticBytes + b.dynBytes > static_cast<size_t>(config().smemPerBlockOptin))
                 {
-                    fatal("block uses %zu bytes of shared memory, more than the device's %d", b.staticBytes + b.dynBytes,
-                        config().smemPerBlockOptin);
+                    fatal("block uses %zu bytes of shared memory, more than the device's %d",
+                        b.staticBytes + b.dynBytes, config().smemPerBlockOptin);
                 }
                 std::free(b.dyn);
                 for (int i = 0; i < b.nStatics.load(); ++i)
