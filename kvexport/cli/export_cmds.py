@@ -72,7 +72,7 @@ def validate_cmd(
     fidelity: bool = typer.Option(True, "--fidelity/--no-fidelity", help="Also measure what compression costs "
                                   "against the original model (agreement, KL, perplexity, recall)."),
     original: Optional[Path] = typer.Option(None, "--original", help="The original (uncompressed) HF model for "
-                                            "the fidelity check (default: the one the export or conversion names)."),
+                                            "the fidelity check (default: the one the export's manifest names)."),
 ) -> None:
     """Compare the ONNX graphs (onnxruntime, optionally TensorRT) with the PyTorch model; writes parity.json,
     exit 6 on failure."""
@@ -90,9 +90,6 @@ def validate_cmd(
         if backend == "tensorrt" and engines is None and (directory / layout.ENGINE_DIR).is_dir():
             engines = directory / layout.ENGINE_DIR
     kw = fidelity_kwargs(eval_data, min_agreement, max_ppl_increase, fidelity)
-    if original is None and conversion and fidelity:
-        src = (layout.read_convert_json(directory) or {}).get("settings", {}).get("model")
-        original = Path(src) if src and Path(src).is_dir() else None  # the conversion's source, still in place
     if original is not None and fidelity:
         kw["original"] = original
     with StepProgress(_stderr(), f"validating {export}") as p:

@@ -240,8 +240,6 @@ def stage_validate(st: ConvertState) -> str:
         kw.update(backend="tensorrt", engines=st.work / layout.ENGINE_DIR)  # + onnxruntime~tensorrt, pytorch~tensorrt
     if st.progress is not None:
         kw["progress"] = st.progress
-    if kw.get("fidelity", True):
-        kw["original"] = st.model_path  # an MLA export's source is DIR/mla: name the model it was rewritten from
     parity = validate(st.work / layout.ONNX_DIR, steps=cfg.validate_steps, write=False, raise_on_failure=False, **kw)
     if isinstance(parity, dict) and "export" in parity and st.out is not None:
         parity["export"] = str(st.out.resolve() / layout.ONNX_DIR)  # not the temporary directory

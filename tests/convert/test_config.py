@@ -136,6 +136,18 @@ def test_parse_contexts():
         parse_contexts("")
 
 
+@pytest.mark.parametrize("model", ["kvx-student", "kvx-teacher-2x", "kvx-teacher-4x"])
+def test_example_config_fits_every_bundled_model(model):
+    """examples/convert_config.yaml resolves on each bundled model (a fixed r_kv 128 fitted none of them)."""
+    from kvexport.convert.stages import resolve_settings
+    from kvexport.paths import MODELS_DIR, REPO_ROOT
+
+    cfg = ConvertConfig.from_file(REPO_ROOT / "examples" / "convert_config.yaml")
+    cfg.model = str(MODELS_DIR / model)
+    cfg, _, spec = resolve_settings(cfg)
+    assert cfg.uses_mla and cfg.rope_dim == spec.head_dim // 4
+
+
 def test_examples_parse():
     """The examples' YAML is a valid convert config and their scripts are valid bash."""
     import subprocess
@@ -144,8 +156,8 @@ def test_examples_parse():
 
     ex = REPO_ROOT / "examples"
     cfg = ConvertConfig.from_file(ex / "convert_config.yaml")
-    assert (cfg.press, cfg.budget, cfg.mla_rank, cfg.rope_dim, cfg.contexts) == ("snapkv", 256, 128, 32,
-                                                                                  [512, 2048, 8192])
+    assert (cfg.press, cfg.budget, cfg.mla_energy, cfg.mla_rank, cfg.rope_dim, cfg.contexts) == (
+        "snapkv", 256, 0.9, None, None, [512, 2048, 8192])
     cfg.check()
     scripts = sorted(ex.rglob("*.sh"))
     assert len(scripts) >= 5
