@@ -249,6 +249,10 @@ def _checks(text: str, cwd: Path) -> None:
         parity = json.loads((out / "parity.json").read_text())
         assert all(p["passed"] for p in parity["pairs"].values())
         assert (out / "report.html").is_file() and (out / "profile-onnxruntime.json").is_file()
+        if "--no-fidelity" not in words:  # what compression cost was measured against the original model
+            fid = parity["fidelity"]
+            assert "skipped" not in fid and 0 <= fid["next_token_agreement"] <= 1, fid
+            assert "## What compression cost" in (out / "report.md").read_text()
     elif words[:2] == ["kvexport", "export"]:
         out = cwd / words[words.index("--out") + 1]
         assert (out / "manifest.json").is_file() and list(out.glob("*.onnx"))
