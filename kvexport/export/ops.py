@@ -93,7 +93,8 @@ def _schema_topk_gather() -> defs.OpSchema:
         doc="Keep the k best-scoring cache slots per (batch, head), in slot order (kvexport docs/custom_ops.md).",
         inputs=[P("scores", "S"), P("keys", "T"), P("values", "T"), P("positions", "I")],
         outputs=[P("kept_keys", "T"), P("kept_values", "T"), P("kept_positions", "I"), P("kept_indices", "I")],
-        type_constraints=[("S", _F, "score type"), ("T", _F, "cache type"), ("I", ["tensor(int64)"], "positions")],
+        type_constraints=[("S", ["tensor(float)"], "scores: float32 in every build (exact ties, the plugin's type)"),
+                          ("T", _F, "cache type"), ("I", ["tensor(int64)"], "positions")],
         attributes=[
             defs.OpSchema.Attribute("k", A.INT, "slots kept, 1 <= k <= S", required=True),
             defs.OpSchema.Attribute("plugin_namespace", A.STRING, "TensorRT plugin namespace", required=False),

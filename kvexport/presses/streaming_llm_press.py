@@ -32,7 +32,7 @@ class StreamingLLMPress(ScorerPress):
         pos = inputs.positions.float()  # (B, Hc, S)
         valid = inputs.valid
         # rank of each valid candidate among the valid ones, in slot order (left padding comes first)
-        rank = valid.long().cumsum(-1) - 1
+        rank = valid.float().cumsum(-1) - 1  # float32 (exact below 2^24 candidates): TensorRT's CumSum has no int64
         sink = valid & (rank < self.n_sink)
         big = pos.max() + 1.0 if pos.numel() else pos.new_tensor(1.0)
-        return torch.where(sink, big + (self.n_sink - rank).float(), pos)
+        return torch.where(sink, big + (self.n_sink - rank), pos)

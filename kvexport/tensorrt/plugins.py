@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Finding and loading libkvexport_plugins.so (TopKGather, LatentAttention plugins).
 
-The library registers its creators when it is loaded (static registration: ``ctypes.CDLL``) and also exports
-``getCreators`` / ``setLoggerFinder`` for ``IPluginRegistry.load_library``; kvexport loads it with ctypes first and
-falls back to the registry when the creators did not appear (a library built with
-``-DKVEXPORT_STATIC_REGISTRATION=OFF``).
+The library exports ``getCreators`` / ``setLoggerFinder`` for ``IPluginRegistry.load_library`` (trtexec
+``--dynamicPlugins``), the registration TensorRT documents; it registers itself on load only when built with
+``-DKVEXPORT_STATIC_REGISTRATION=ON``. kvexport loads it with ctypes first and falls back to the registry when the
+creators did not appear (the default build).
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ def topk_gather_model(B, H, S, Dk, Dv, k, dtype):
     node = ops.make_node("TopKGather", ["scores", "keys", "values", "positions"],
                          ["kept_keys", "kept_values", "kept_positions", "kept_indices"], k=k)
     vi = helper.make_tensor_value_info
-    return _model(node, [vi("scores", t, [B, H, S]), vi("keys", t, [B, H, S, Dk]), vi("values", t, [B, H, S, Dv]),
+    return _model(node, [vi("scores", TensorProto.FLOAT, [B, H, S]), vi("keys", t, [B, H, S, Dk]),
+                         vi("values", t, [B, H, S, Dv]),
                          vi("positions", TensorProto.INT64, [B, H, S])],
                   [vi("kept_keys", t, [B, H, k, Dk]), vi("kept_values", t, [B, H, k, Dv]),
                    vi("kept_positions", TensorProto.INT64, [B, H, k]), vi("kept_indices", TensorProto.INT64, [B, H, k])])
@@ -71,7 +72,7 @@ def test_topk_gather_torch_onnx_numpy(case):
     B, H, S, Dk, Dv, k, seed, ties, p_empty, dtype = case
     rng = np.random.default_rng(seed)
     nd = NP[dtype]
-    scores = (rng.integers(-2, 3, (B, H, S)) if ties else rng.standard_normal((B, H, S))).astype(nd)
+    scores = (rng.integers(-2, 3, (B, H, S)) if ties else rng.standard_normal((B, H, S))).astype(np.float32)
     keys = rng.standard_normal((B, H, S, Dk)).astype(nd)
     values = rng.standard_normal((B, H, S, Dv)).astype(nd)
     positions = np.where(rng.random((B, H, S)) < p_empty, -1, rng.permutation(S)[None, None, :]).astype(np.int64)

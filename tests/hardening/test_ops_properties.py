@@ -30,7 +30,7 @@ def test_topk_gather_masked_rows_full_k_and_infinities(S, full_k, dtype, seed):
     B, H, Dk, Dv = 2, 2, 3, 2
     k = S if full_k else int(rng.integers(1, S + 1))
     nd = NP[dtype]
-    scores = rng.choice(np.array([-np.inf, np.inf, 0.0, 1.0, -1.0]), (B, H, S)).astype(nd)  # ties and infinities
+    scores = rng.choice(np.array([-np.inf, np.inf, 0.0, 1.0, -1.0]), (B, H, S)).astype(np.float32)  # ties, infinities
     keys = rng.standard_normal((B, H, S, Dk)).astype(nd)
     values = rng.standard_normal((B, H, S, Dv)).astype(nd)
     positions = np.broadcast_to(np.arange(S), (B, H, S)).copy().astype(np.int64)

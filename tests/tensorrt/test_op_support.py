@@ -46,9 +46,7 @@ EXTRA = {
     "mla-full-cache-standard": dict(mla_rank=8, rope_dim=4, ops="standard", max_positions=64),
     "dynamic-cache": dict(dynamic_cache=True, max_positions=64),
 }
-KNOWN = {  # exporter graphs that fail the check today (reported to the exporter's owner); strict: fixed -> XPASS
-    "streaming_llm": "node_cumsum: CumSum on int64 (prefill and compact); the matrix lists CumSum for f32/f16/bf16",
-}
+KNOWN: dict[str, str] = {}  # exporter graphs that fail the check today, with why (strict xfail: a fix shows as XPASS)
 
 
 def _export(tiny_hf, tmp_path_factory, key: str, kw: dict):
