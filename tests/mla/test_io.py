@@ -17,14 +17,17 @@ from tests.conftest import FAMILIES, FAMILY_IDS
 @pytest.mark.parametrize("family,kw", FAMILIES, ids=FAMILY_IDS)
 def test_round_trip_identical_logits(tiny_models, tmp_path, family, kw):
     hf = tiny_models(family, **kw)
-    mla = rewrite_to_mla(hf, MLASettings(energy=0.8, rope_dim=8, rope_init="norm", q_rank=24, absorb=False))
+    settings = MLASettings(energy=0.8, rope_dim=8, rope_init="perhead", dropped_rope="none", rope_horizon=64,
+                           kv_fit="svd", q_rank=24, absorb=False)
+    mla = rewrite_to_mla(hf, settings)
     out = save_mla(mla, tmp_path / "mla")
     cfg = json.loads((out / "kvexport_mla.json").read_text())
     assert cfg["settings"] == mla.mla_settings.to_dict()
     assert cfg["hf_config"]["model_type"] == family
     assert [lp["kv_rank"] for lp in cfg["layers"]] == [p.kv_rank for p in mla.mla_plans]
     back = load_mla(out)
-    assert back.layers[0].self_attn.absorb is False
+    assert back.layers[0].self_attn.absorb is False and back.mla_settings == settings
+    assert [p.rope_pairs for p in back.mla_plans] == [p.rope_pairs for p in mla.mla_plans]
     ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(20).expand(2, 20)
     with torch.no_grad():
@@ -63,16 +66,27 @@ def test_refuses_to_clobber_and_damaged_dirs(tiny_models, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no temporary leftovers
 
 
+def test_older_layout_is_refused(tiny_models, tmp_path):
+    """A format-1 directory (the head-averaged-key layout) is refused with one line, not loaded into the wrong shapes."""
+    out = save_mla(rewrite_to_mla(tiny_models("llama"), MLASettings(kv_rank=16, rope_dim=8)), tmp_path / "m")
+    cfg = json.loads((out / "kvexport_mla.json").read_text())
+    (out / "kvexport_mla.json").write_text(json.dumps({**cfg, "version": 1}))
+    with pytest.raises(BadArtifact, match="format version 1 .*rewrite the original model again"):
+        load_mla(out)
+
+
 def test_cli_rewrite_matches_api(tmp_path):
     """`kvexport rewrite` writes the directory the API would build (same logits), tokenizer and HF config included."""
     from kvexport.cli import main
     from tests.mla.distill_fixtures import model_dir
 
     src = model_dir(tmp_path / "hf", "qwen2")
-    assert main(["rewrite", str(src), "--mla-rank", "16", "--rope-dim", "8", "--out", str(tmp_path / "mla")]) == 0
+    assert main(["rewrite", str(src), "--mla-rank", "16", "--rope-dim", "8", "--rope-init", "perhead", "--kv-fit", "pca",
+                 "--rope-horizon", "100", "--out", str(tmp_path / "mla")]) == 0
     from kvexport.models.loading import load_decoder
 
-    ref = rewrite_to_mla(load_decoder(src)[0], MLASettings(kv_rank=16, rope_dim=8))
+    ref = rewrite_to_mla(load_decoder(src)[0], MLASettings(kv_rank=16, rope_dim=8, rope_init="perhead", kv_fit="pca",
+                                                           rope_horizon=100))
     back = load_mla(tmp_path / "mla")
     ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(4))
     pos = torch.arange(16)[None]
