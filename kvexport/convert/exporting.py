@@ -29,7 +29,7 @@ def export_converted(st) -> Path:
                  window=cfg.window if press else 32, chunk=cfg.chunk, dtype="fp16" if cfg.fp16 else "fp32",
                  ops="custom", force=False, max_positions=cfg.max_positions,
                  source=st.work / layout.MLA_DIR if st.mla_decoder is not None else None,
-                 tokenizer_dir=st.model_path, original=st.model_path)
+                 tokenizer_dir=st.model_path, original=st.model_path, progress=getattr(st, "progress", None))
     return export_model(model, st.work / layout.ONNX_DIR, **kw)
 
 
@@ -38,7 +38,7 @@ def export_baseline(st) -> Path:
     from kvexport.export import export_model
 
     kw = _kwargs(export_model, press=None, chunk=st.cfg.chunk, dtype="fp16" if st.cfg.fp16 else "fp32",
-                 dynamic_cache=True, ops="custom", force=False)
+                 dynamic_cache=True, ops="custom", force=False, progress=getattr(st, "progress", None))
     return export_model(st.model_path, st.work / layout.BASELINE_DIR, **kw)
 
 

@@ -9,9 +9,10 @@ and gives the same bytes on every run once node metadata (stack traces) is strip
 
 Layout of an export directory (static caches)::
 
-    prefill.onnx   a chunk of exactly C tokens, cache compacted back to budget inside the graph
-    decode.onnx    one token per row, written at the host-given slot (one-hot Where)
-    compact.onnx   decode-time compaction of every layer (absent without a press)
+    prefill.onnx           a chunk of exactly C tokens over the cache -> logits and the chunk's new rows
+    decode.onnx            one token per row over the cache -> logits and its new rows (the host writes them)
+    compact_prefill.onnx   a chunk's compaction: the best budget of [cache ; chunk] (absent without a press)
+    compact.onnx           decode-time compaction of every layer (absent without a press)
     *.onnx.data    external weights, when a graph holds more than 4 MiB of initializers
     tokenizer/     the source model's tokenizer files, when it has them
     manifest.json  settings, model hash and sha256 of every file (kvexport.export.manifest)
@@ -437,36 +438,35 @@ def _io(model) -> dict[str, list[str]]:
 def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: Path, say) -> dict[str, Any]:
     shapes = graphs.layer_shapes(dec, budgets, window)
     L = len(shapes)
-    kv_in, kv_out = graphs.kv_names(L, "_in"), graphs.kv_names(L, "_out")
-    q_in, q_out = graphs.query_names(L, "_in"), graphs.query_names(L, "_out")
-    kv = kv_examples(shapes, batch, td)
-    ring = query_examples(shapes, batch, window, td) if press is not None else []
-    zeros_l = torch.zeros(L, dtype=torch.long)
-    one = torch.zeros(1, dtype=torch.long)
+    wq = press is not None
+    kv, new = graphs.kv_names(L), graphs.new_names(L, wq)
+    cache = kv_examples(shapes, batch, td)
+    n_graphs = 4 if wq else 2
     files: dict[str, Any] = {}
+
+    def export(name: str, module, args, inputs, outputs, k: int) -> None:
+        say(f"exporting {name}.onnx ({k}/{n_graphs})")
+        m = _export_graph(module.eval(), args, inputs, outputs, custom)
+        files[name] = {"file": f"{name}.onnx", "external_data": _save(m, tmp / f"{name}.onnx"), **_io(m)}
+
     ids = torch.zeros(batch, chunk, dtype=torch.long)
     pos = torch.arange(chunk).expand(batch, chunk).contiguous()
-    say("exporting prefill.onnx (1/%d)" % (3 if press is not None else 2))
-    m = _export_graph(graphs.PrefillChunk(dec, press, budgets, window).eval(), (ids, pos, zeros_l, one, *kv),
-                      ["input_ids", "positions", "fill", "n_pad"] + kv_in, ["logits"] + kv_out, custom)
-    files["prefill"] = {"file": "prefill.onnx", "external_data": _save(m, tmp / "prefill.onnx"), **_io(m)}
+    prefill = graphs.PrefillChunk(dec, press, budgets, window)
+    export("prefill", prefill, (ids, pos, *cache), ["input_ids", "positions"] + kv, ["logits"] + new, 1)
     ids1 = torch.zeros(batch, 1, dtype=torch.long)
     pos1 = torch.full((batch, 1), chunk, dtype=torch.long)
-    if press is not None:
-        args, names = (ids1, pos1, zeros_l, one, *kv, *ring), ["input_ids", "positions", "slot", "query_slot"]
-        outs = kv_out + q_out
-        names += kv_in + q_in
-    else:
-        args, names, outs = (ids1, pos1, zeros_l, *kv), ["input_ids", "positions", "slot"] + kv_in, kv_out
-    say("exporting decode.onnx (2/%d)" % (3 if press is not None else 2))
-    m = _export_graph(graphs.DecodeStep(dec, press, budgets, window).eval(), args, names, ["logits"] + outs, custom)
-    files["decode"] = {"file": "decode.onnx", "external_data": _save(m, tmp / "decode.onnx"), **_io(m)}
-    if press is not None:
-        say("exporting compact.onnx (3/3)")
-        m = _export_graph(graphs.Compact(dec, press, budgets, window).eval(),
-                          (torch.full((L,), 1, dtype=torch.long), one, *kv, *ring),
-                          ["fill", "query_start"] + kv_in + q_in, kv_out, custom)
-        files["compact"] = {"file": "compact.onnx", "external_data": _save(m, tmp / "compact.onnx"), **_io(m)}
+    export("decode", graphs.DecodeStep(dec, press, budgets, window), (ids1, pos1, *cache),
+           ["input_ids", "positions"] + kv, ["logits"] + new, 2)
+    if wq:
+        with torch.no_grad():
+            chunk_rows = prefill(ids, pos, *cache)[1:]
+        fill, one = torch.full((L,), 1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+        export("compact_prefill", graphs.CompactPrefill(dec, press, budgets, window),
+               (fill, one, pos, *cache, *chunk_rows), ["fill", "n_pad", "positions"] + kv + new,
+               graphs.kv_names(L, "kept_"), 3)
+        export("compact", graphs.Compact(dec, press, budgets, window),
+               (fill, one, *cache, *query_examples(shapes, batch, window, td)),
+               ["fill", "query_start"] + kv + graphs.query_names(L), graphs.kv_names(L, "kept_"), 4)
     files["layers"] = [dataclasses.asdict(s) for s in shapes]
     return files
 

@@ -1,21 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The exportable graphs: a prefill chunk, a one-token decode step, a compaction, and the growing-past baseline.
+"""The exportable graphs: a prefill chunk, a one-token decode step, the two compactions, and the growing past.
 
 Each wraps a :class:`~kvexport.models.decoder.Decoder` with fixed shapes (batch B, chunk C, per-layer capacity
 cap_i = budget_i + window W) and follows :mod:`kvexport.cache.plan`: the host keeps the plan's
-:class:`~kvexport.cache.plan.CacheState` and passes its numbers in (fill counts, slots, ring indices), so the
-graphs have no data-dependent control flow, and what a compaction keeps is :func:`kvexport.cache.candidates.keep_best`,
-the function the PyTorch cache runs. Cache tensors are graph inputs ``<name>_in`` and outputs ``<name>_out`` of
-identical shapes, per layer i: ``k_i (B, Hc, cap_i, Dk)``, ``v_i (B, Hc, cap_i, Dv)``, ``pos_i (B, Hc, cap_i)`` int64
-(-1 = empty); with a press also the query ring ``qbuf_i (B, Hq, W, Dq)`` and one shared ``qpos (B, W)``:
+:class:`~kvexport.cache.plan.CacheState` and the cache buffers, and writes each step's new rows into them in
+place; the graphs read the cache and output only what is new, so a decode step writes O(1) bytes whatever the
+capacity. What a compaction keeps is :func:`kvexport.cache.candidates.keep_best`, the function the PyTorch
+cache runs. Cache tensors (inputs, per layer i): ``k_i (B, Hc, cap_i, Dk)``, ``v_i (B, Hc, cap_i, Dv)``,
+``pos_i (B, Hc, cap_i)`` int64 (-1 = empty); with a press the query ring ``qbuf_i (B, Hq, W, Dq)`` and one shared
+``qpos (B, W)``:
 
-- prefill (``fill (L,)``, ``n_pad (1,)``): C columns, the first ``n_pad`` of them padding (plan rule 2); the
-  candidates [occupied ; real columns] are kept by the press (top budget_i) or, without one, written at ``fill``.
-  Reads and writes k/v/pos only (the prefill never writes the ring).
-- decode (``slot (L,)``, with a press ``query_slot (1,)``): the token written at ``slot_i``, its query at
-  ``query_slot`` of the ring.
-- compact (``fill (L,)``, ``query_start (1,)``): every layer's occupied slots scored with the ring read oldest
-  first; outputs k/v/pos.
+- prefill: C columns (a short last chunk front-padded, plan rule 2) attend to the cache and each other; outputs
+  the logits of the last column and the chunk's rows ``k_new_i``, ``v_new_i`` (and with a press the queries
+  ``q_new_i`` that observe at a compaction). The host writes the real columns at ``fill`` or, when a layer
+  overflows, runs ``compact_prefill``.
+- compact_prefill (``fill (L,)``, ``n_pad (1,)``, the cache, the chunk's rows, positions and queries): every
+  layer's [occupied ; real columns] scored by the press, the best budget_i -> ``kept_k_i``, ``kept_v_i``,
+  ``kept_pos_i`` (B, Hc, budget_i, .), which the host copies to slots [0, budget_i).
+- decode: one token per row attends to the cache and itself; outputs logits and its ``k_new_i``, ``v_new_i``
+  (B, Hc, 1, .) (and ``q_new_i`` (B, Hq, 1, Dq)), which the host writes at ``slot_i`` (and ring slot).
+- compact (``fill (L,)``, ``query_start (1,)``, the cache and the ring): every layer's occupied slots scored with
+  the ring read oldest first -> ``kept_*`` as above.
 """
 
 from __future__ import annotations
@@ -52,14 +57,20 @@ def layer_shapes(decoder, budgets: list[int], window: int) -> list[LayerShape]:
     return out
 
 
-def kv_names(n_layers: int, suffix: str) -> list[str]:
-    """Graph I/O names of the K/V/position tensors, in graph order."""
-    return [f"{t}_{i}{suffix}" for i in range(n_layers) for t in ("k", "v", "pos")]
+def kv_names(n_layers: int, prefix: str = "") -> list[str]:
+    """Graph I/O names of the K/V/position tensors, in graph order (``prefix``: "" for the cache, "kept_")."""
+    return [f"{prefix}{t}_{i}" for i in range(n_layers) for t in ("k", "v", "pos")]
 
 
-def query_names(n_layers: int, suffix: str) -> list[str]:
-    """Graph I/O names of the query ring, in graph order."""
-    return [f"qbuf_{i}{suffix}" for i in range(n_layers)] + [f"qpos{suffix}"]
+def query_names(n_layers: int) -> list[str]:
+    """Graph input names of the query ring, in graph order."""
+    return [f"qbuf_{i}" for i in range(n_layers)] + ["qpos"]
+
+
+def new_names(n_layers: int, with_queries: bool) -> list[str]:
+    """Graph names of a step's new rows, in graph order."""
+    per = ("k_new", "v_new", "q_new") if with_queries else ("k_new", "v_new")
+    return [f"{t}_{i}" for i in range(n_layers) for t in per]
 
 
 class _CacheGraph(nn.Module):
@@ -82,66 +93,64 @@ class _CacheGraph(nn.Module):
         return ctx.inputs(self.shapes[i].budget)
 
     def keep(self, i: int, k, v, pos, queries, q_positions, fill, n_pad):
-        """Raw layout [cache (cap_i) ; columns] -> the layer's cache (B, Hc, cap_i, .) (plan rules 3 and 5)."""
+        """Raw layout [cache (cap_i) ; columns] -> the best budget_i (B, Hc, budget_i, .) (plan rules 3 and 5)."""
         s = self.shapes[i]
-        if self.press is None:
-            return keep_best(None, None, k, v, pos, None, None, fill, n_pad, s.capacity, s.capacity, s.capacity)
         return keep_best(self.press, self.make_inputs(i), k, v, pos, queries, q_positions, fill, n_pad, s.capacity,
-                         s.budget, s.capacity, topk=ops.topk_gather)
+                         s.budget, s.budget, topk=ops.topk_gather)
+
+    def step(self, input_ids, positions, cache):
+        """Run the tokens through every layer over the cache -> final hidden (B, T, H) and the new rows."""
+        h = self.decoder.embed_tokens(input_ids)
+        new = []
+        for layer, (k, v, pos) in zip(self.decoder.layers, self.split_kv(cache), strict=True):
+            h, k_new, v_new, q_pre = layer(h, positions, k, v, pos)
+            new += [k_new, v_new]
+            if self.press is not None:
+                new.append(layer.self_attn.score_queries(q_pre))
+        return h, new
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.decoder.lm_head(self.decoder.norm(h))
 
 
 class PrefillChunk(_CacheGraph):
-    """One chunk of exactly C columns, the first ``n_pad`` padding (position -1).
+    """One chunk of exactly C columns (padding: position -1). Inputs: input_ids (B, C) int64, positions (B, C)
+    int64, then k/v/pos of every layer. Outputs: logits (B, V) of the last column, then the chunk's new rows."""
 
-    Inputs: input_ids (B, C) int64, positions (B, C) int64, fill (L,) int64, n_pad (1,) int64, then k/v/pos of
-    every layer. Outputs: logits (B, V) of the last column, then k/v/pos.
-    """
-
-    def forward(self, input_ids, positions, fill, n_pad, *cache):
-        B, C = input_ids.shape
-        h = self.decoder.embed_tokens(input_ids)
-        out = []
-        for i, (layer, (k, v, pos)) in enumerate(zip(self.decoder.layers, self.split_kv(cache), strict=True)):
-            h, k_new, v_new, q_pre = layer(h, positions, k, v, pos)
-            new_pos = positions[:, None, :].expand(B, k_new.shape[1], C)
-            q_score = layer.self_attn.score_queries(q_pre) if self.press is not None else None
-            out += list(self.keep(i, torch.cat([k, k_new], dim=2), torch.cat([v, v_new], dim=2),
-                                  torch.cat([pos, new_pos], dim=2), q_score, positions, fill[i], n_pad[0]))
-        return (self.head(h[:, -1]), *out)
+    def forward(self, input_ids, positions, *cache):
+        h, new = self.step(input_ids, positions, cache)
+        return (self.head(h[:, -1]), *new)
 
 
 class DecodeStep(_CacheGraph):
-    """One token per row. Inputs: input_ids (B, 1), positions (B, 1), slot (L,) int64, with a press query_slot (1,)
-    int64, then k/v/pos of every layer (and the ring). Outputs: logits (B, V), then the same tensors with the
-    token written at slot_i (and its query at query_slot)."""
+    """One token per row. Inputs: input_ids (B, 1), positions (B, 1), then k/v/pos of every layer. Outputs:
+    logits (B, V), then the token's new rows (B, Hc, 1, .) (and its query (B, Hq, 1, Dq) with a press)."""
 
-    def forward(self, input_ids, positions, slot, *rest):
-        query_slot, cache = (rest[0], rest[1:]) if self.press is not None else (None, rest)
+    def forward(self, input_ids, positions, *cache):
+        h, new = self.step(input_ids, positions, cache)
+        return (self.head(h[:, -1]), *new)
+
+
+class CompactPrefill(_CacheGraph):
+    """A prefill chunk's compaction. Inputs: fill (L,), n_pad (1,), positions (B, C), then k/v/pos of every layer,
+    then the chunk's new rows (as PrefillChunk returns them). Outputs: kept k/v/pos (B, Hc, budget_i, .)."""
+
+    def forward(self, fill, n_pad, positions, *rest):
         L = len(self.shapes)
-        h = self.decoder.embed_tokens(input_ids)
-        out, ring = [], []
-        for i, (layer, (k, v, pos)) in enumerate(zip(self.decoder.layers, self.split_kv(cache), strict=True)):
-            h, k_new, v_new, q_pre = layer(h, positions, k, v, pos)
-            hot = torch.arange(k.shape[2], device=k.device) == slot[i]  # (cap,)
-            out.append(torch.where(hot[None, None, :, None], k_new, k))
-            out.append(torch.where(hot[None, None, :, None], v_new, v))
-            out.append(torch.where(hot[None, None, :], positions[:, None, :], pos))
-            if self.press is not None:
-                qhot = torch.arange(self.window, device=k.device) == query_slot[0]  # (W,)
-                q_score = layer.self_attn.score_queries(q_pre)
-                ring.append(torch.where(qhot[None, None, :, None], q_score, cache[3 * L + i]))
-        if self.press is not None:
-            qhot = torch.arange(self.window, device=input_ids.device) == query_slot[0]
-            ring.append(torch.where(qhot[None, :], positions, cache[4 * L]))
-        return (self.head(h[:, -1]), *out, *ring)
+        cache, new = rest[: 3 * L], rest[3 * L :]
+        B, C = positions.shape
+        out = []
+        for i, (k, v, pos) in enumerate(self.split_kv(cache)):
+            k_new, v_new, q_new = new[3 * i : 3 * i + 3]
+            new_pos = positions[:, None, :].expand(B, k.shape[1], C)
+            out += list(self.keep(i, torch.cat([k, k_new], dim=2), torch.cat([v, v_new], dim=2),
+                                  torch.cat([pos, new_pos], dim=2), q_new, positions, fill[i], n_pad[0]))
+        return tuple(out)
 
 
 class Compact(_CacheGraph):
     """Decode-time compaction of every layer: all slots scored with the ring read oldest first.
-    Inputs: fill (L,) int64, query_start (1,) int64, then k/v/pos of every layer and the ring. Outputs: k/v/pos."""
+    Inputs: fill (L,), query_start (1,), then k/v/pos of every layer and the ring. Outputs: kept k/v/pos."""
 
     def forward(self, fill, query_start, *cache):
         L = len(self.shapes)

@@ -151,118 +151,177 @@ class OrtGenerator:
         return opts
 
     # ------------------------------------------------------------------ buffers
-    def _ov(self, arr: np.ndarray):
-        return self._ort.OrtValue.ortvalue_from_numpy(arr, self.device, 0)
-
     def _init_cache_layout(self) -> None:
-        """Host-side cache layout shared by every backend (this runner and the TensorRT one).
+        """Host-side layout shared by every backend (this runner and the TensorRT one).
 
-        Sets ``plan`` (:class:`~kvexport.cache.plan.CachePlan`), ``state``, ``layers`` and ``shapes`` (name ->
-        (shape, dtype) of every cache tensor: ``k_i`` (B, Hc, cap, Dk), ``v_i`` (B, Hc, cap, Dv), ``pos_i``
-        (B, Hc, cap) int64, and with a press the ring ``qbuf_i`` (B, Hq, W, Dq), ``qpos`` (B, W) int64)."""
+        Sets ``plan`` (:class:`~kvexport.cache.plan.CachePlan`), ``state``, ``layers`` and ``shapes``: name ->
+        (shape, dtype) of every cache buffer (``k_i`` (B, Hc, cap, Dk), ``v_i`` (B, Hc, cap, Dv), ``pos_i`` (B, Hc,
+        cap) int64, with a press the ring ``qbuf_i`` (B, Hq, W, Dq) and ``qpos`` (B, W) int64) and of the decode
+        step's new rows (``k_new_i`` (B, Hc, 1, Dk), ``v_new_i``, ``q_new_i`` (B, Hq, 1, Dq))."""
         s = self.settings
         B, W = self.batch, int(s["window"])
         self.layers = s["graphs"]["layers"]
         self.plan = CachePlan.from_settings(s)
         self.state = CacheState(self.plan)
         self.shapes: dict[str, tuple[tuple[int, ...], type]] = {}
+        self.step_shapes: dict[str, tuple[tuple[int, ...], type]] = {}
         for i, ly in enumerate(self.layers):
             H, cap = ly["heads"], ly["capacity"]
             self.shapes[f"k_{i}"] = ((B, H, cap, ly["key_dim"]), self.dtype)
             self.shapes[f"v_{i}"] = ((B, H, cap, ly["value_dim"]), self.dtype)
             self.shapes[f"pos_{i}"] = ((B, H, cap), np.int64)
+            self.step_shapes[f"k_new_{i}"] = ((B, H, 1, ly["key_dim"]), self.dtype)
+            self.step_shapes[f"v_new_{i}"] = ((B, H, 1, ly["value_dim"]), self.dtype)
             if self.press is not None:
                 self.shapes[f"qbuf_{i}"] = ((B, ly["q_heads"], W, ly["q_dim"]), self.dtype)
+                self.step_shapes[f"q_new_{i}"] = ((B, ly["q_heads"], 1, ly["q_dim"]), self.dtype)
         if self.press is not None:
             self.shapes["qpos"] = ((B, W), np.int64)
         self._io_plans: dict[str, tuple] = {}
 
-    def _empty(self, name: str) -> np.ndarray:
-        """What a cache tensor holds when nothing is cached: zeros, positions -1."""
-        shape, dtype = self.shapes[name]
-        return np.full(shape, -1, np.int64) if name.startswith(("pos_", "qpos")) else np.zeros(shape, dtype)
-
-    def _io_plan(self, graph: str) -> tuple[list[tuple[str, str]], list[tuple[str, str | None]], frozenset[str]]:
-        """What a call of ``graph`` binds, worked out once per graph (not per decode step): cache inputs
-        [(``<base>_in``, base)], outputs [(``logits``, None) or (``<base>_out``, base)] in graph order, and the
-        names of its host inputs."""
+    def _io_plan(self, graph: str) -> tuple[list[str], list[str], frozenset[str]]:
+        """What a call of ``graph`` binds, worked out once per graph: its array inputs (cache buffers or new rows),
+        its outputs, and its host inputs."""
         plan = self._io_plans.get(graph)
         if plan is None:
             g = self.settings["graphs"][graph]
-            ins = [(n, n[:-3]) for n in g["inputs"] if n.endswith("_in")]
-            outs = [(n, None if n == "logits" else n[:-4]) for n in g["outputs"] if n == "logits" or n.endswith("_out")]
-            host = frozenset(n for n in g["inputs"] if not n.endswith("_in"))
-            plan = self._io_plans[graph] = (ins, outs, host)
+            arrays = [n for n in g["inputs"] if n in self.shapes or _kind(n) == "new"]
+            host = frozenset(n for n in g["inputs"] if n not in arrays)
+            plan = self._io_plans[graph] = (arrays, list(g["outputs"]), host)
         return plan
 
+    # backend hooks: where arrays live and how a graph is called (the TensorRT generator overrides these)
+    def _array(self, shape, dtype, fill=0):
+        """A buffer the host writes with NumPy-style slicing: a NumPy array on the CPU (shared with onnxruntime
+        without a copy), a torch tensor on a GPU."""
+        if self.device == "cpu":
+            return np.full(shape, fill, dtype)
+        import torch
+
+        t = torch.from_numpy(np.full(shape, fill, dtype)).to(self.device)
+        return t
+
+    def _host(self, x):
+        """A host value in the arrays' kind (for writes into buffers)."""
+        if self.device == "cpu" or not isinstance(x, np.ndarray):
+            return x
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(x)).to(self.device)
+
+    def _bind(self, io, name: str, arr, output: bool) -> None:
+        if isinstance(arr, np.ndarray):
+            ov = self._ovs.get(id(arr))
+            if ov is None or ov[0] is not arr:
+                ov = self._ovs[id(arr)] = (arr, self._ort.OrtValue.ortvalue_from_numpy(arr))
+            (io.bind_ortvalue_output if output else io.bind_ortvalue_input)(name, ov[1])
+        else:  # a torch tensor on the session's device
+            bind = io.bind_output if output else io.bind_input
+            bind(name, arr.device.type, arr.device.index or 0, _NP_OF_TORCH[str(arr.dtype)], tuple(arr.shape),
+                 arr.data_ptr())
+
+    def _call(self, graph: str, feeds: dict, arrays: dict, outputs: dict, persistent: bool = False) -> dict:
+        """Run ``graph``: host ``feeds``, input ``arrays`` (buffers, by name) and output buffers ``outputs`` (by name;
+        outputs not given are allocated by onnxruntime and returned as NumPy arrays). ``persistent``: the arrays and
+        outputs are the same on every call (the decode step), so they are bound once and the host inputs are copied
+        into preallocated arrays: a call then costs the run, not the binding."""
+        sess = self.sessions[graph]
+        if persistent and self.device == "cpu":
+            bound = self._persistent.get(graph)
+            if bound is None:
+                io = sess.io_binding()
+                host = {n: np.ascontiguousarray(x).copy() for n, x in feeds.items()}
+                for name, x in host.items():
+                    self._bind(io, name, x, output=False)
+                for name, arr in arrays.items():
+                    self._bind(io, name, arr, output=False)
+                for name in self._io_plan(graph)[1]:
+                    self._bind(io, name, outputs[name], output=True)
+                bound = self._persistent[graph] = (io, host)
+            io, host = bound
+            for name, x in feeds.items():
+                host[name][...] = x
+            sess.run_with_iobinding(io)
+            return outputs
+        io = sess.io_binding()
+        for name, x in feeds.items():
+            io.bind_cpu_input(name, np.ascontiguousarray(x))
+        for name, arr in arrays.items():
+            self._bind(io, name, arr, output=False)
+        loose = []
+        for name in self._io_plan(graph)[1]:
+            if name in outputs:
+                self._bind(io, name, outputs[name], output=True)
+            else:
+                io.bind_output(name, self.device)
+                loose.append(name)
+        sess.run_with_iobinding(io)
+        got = dict(outputs)
+        if loose:
+            values = dict(zip(self._io_plan(graph)[1], io.get_outputs(), strict=True))
+            got.update({n: self._host(values[n].numpy()) for n in loose})
+        return got
+
     def _alloc(self) -> None:
-        """Two buffers per cache tensor (ping-pong) and one for the logits, made once. On the CPU each buffer is a
-        NumPy array wrapped without a copy (``OrtValue.ortvalue_from_numpy`` shares CPU memory), so the host reads
-        and resets them in place; on a GPU they are device OrtValues."""
+        """Every cache buffer once, the decode step's output rows and the logits once: nothing per step."""
         self._init_cache_layout()
-        cpu = self.device == "cpu"
-        self.arrays = {n: [self._empty(n), self._empty(n)] for n in self.shapes} if cpu else {}
-        self.buffers = {n: [self._ov(a) for a in self.arrays[n]] if cpu else
-                        [self._ov(self._empty(n)), self._ov(self._empty(n))] for n in self.shapes}
-        self.cur = dict.fromkeys(self.shapes, 0)
-        self._logits_array = np.zeros((self.batch, int(self.settings["vocab_size"])), self.dtype)
-        self.logits = self._ov(self._logits_array)
-        self._minus_one = {} if cpu else {shape: np.full(shape, -1, np.int64)  # device resets copy from these
-                                          for n, (shape, _) in self.shapes.items() if n.startswith(("pos_", "qpos"))}
+        self._ovs: dict = {}
+        self._persistent: dict = {}
+        self.cache = {n: self._array(shape, dt, -1 if _kind(n) in ("positions", "query_positions") else 0)
+                      for n, (shape, dt) in self.shapes.items()}
+        self.step_out = {n: self._array(shape, dt) for n, (shape, dt) in self.step_shapes.items()}
+        self.logits = self._array((self.batch, int(self.settings["vocab_size"])), self.dtype)
+        self.step_out["logits"] = self.logits
+        self.staging: dict = {}  # the prefill chunk's rows, held only while a prompt is fed
 
     def _reset_buffers(self) -> None:
         """A new sequence only needs every position -1 (k/v of an empty slot are never read)."""
-        for n, (shape, _) in self.shapes.items():
-            if not n.startswith(("pos_", "qpos")):
-                continue
-            if self.arrays:
-                self.arrays[n][self.cur[n]].fill(-1)
-            else:
-                self.buffers[n][self.cur[n]].update_inplace(self._minus_one[shape])
+        for n, arr in self.cache.items():
+            if _kind(n) in ("positions", "query_positions"):
+                arr[...] = -1
 
     def resident_bytes(self) -> dict[str, int]:
-        """Bytes this runtime holds for its batch of sequences, read from its own allocations, by kind:
-        ``kv`` (K/V or latents), ``positions``, ``queries`` and ``query_positions`` (the ring), ``double_buffers``
-        (the second ping-pong copy of all of them), ``logits``, ``host`` (reset templates of a device runtime) and
-        ``total``. The formula: :meth:`kvexport.profile.kv_bytes.CacheShape.resident_bytes_at`."""
-        out = dict.fromkeys(("kv", "positions", "queries", "query_positions", "double_buffers", "logits", "host"), 0)
+        """Bytes this runtime holds for its batch of sequences, read from its own buffers, by kind: ``kv`` (K/V or
+        latents), ``positions``, ``queries`` and ``query_positions`` (the ring), ``step_outputs`` (the decode step's
+        new rows), ``logits``, ``staging`` (a prefill chunk's rows, only while a prompt is fed) and ``total``. The
+        formula: :meth:`kvexport.profile.kv_bytes.CacheShape.resident_bytes_at`."""
+        out = dict.fromkeys(("kv", "positions", "queries", "query_positions", "step_outputs", "logits", "staging"), 0)
         if self.dynamic:
             out["kv"] = self.current_cache_bytes()
             out["positions"] = int(self._past_pos.nbytes)
         else:
-            for n, pair in self.buffers.items():
-                sizes = [a.nbytes for a in self.arrays[n]] if self.arrays else [_ov_nbytes(ov) for ov in pair]
-                out[_kind(n)] += sizes[self.cur[n]]
-                out["double_buffers"] += sizes[1 - self.cur[n]]
-            out["logits"] = _ov_nbytes(self.logits)
-            out["host"] = sum(a.nbytes for a in self._minus_one.values())
+            for n, arr in self.cache.items():
+                out[_kind(n)] += _nbytes(arr)
+            out["step_outputs"] = sum(_nbytes(a) for n, a in self.step_out.items() if n != "logits")
+            out["logits"] = _nbytes(self.logits)
+            out["staging"] = sum(_nbytes(a) for a in self.staging.values())
         out["total"] = sum(out.values())
         return out
 
-    def _run(self, graph: str, feeds: dict[str, np.ndarray]) -> None:
-        """Bind small host inputs + the current cache buffers, write into the other buffers, then swap."""
-        sess = self.sessions[graph]
-        io = sess.io_binding()
-        ins, outs, _ = self._io_plan(graph)
-        for name, arr in feeds.items():
-            io.bind_cpu_input(name, np.ascontiguousarray(arr))
-        swapped = []
-        for name, base in ins:
-            io.bind_ortvalue_input(name, self.buffers[base][self.cur[base]])
-        for name, base in outs:
-            if base is None:
-                io.bind_ortvalue_output(name, self.logits)
-            else:
-                io.bind_ortvalue_output(name, self.buffers[base][1 - self.cur[base]])
-                swapped.append(base)
-        sess.run_with_iobinding(io)
-        for base in swapped:
-            self.cur[base] = 1 - self.cur[base]
-
     def _positions_now(self) -> list[np.ndarray]:
-        if self.arrays:
-            return [self.arrays[f"pos_{i}"][self.cur[f"pos_{i}"]].copy() for i in range(len(self.layers))]
-        return [self.buffers[f"pos_{i}"][self.cur[f"pos_{i}"]].numpy() for i in range(len(self.layers))]
+        return [_to_numpy(self.cache[f"pos_{i}"]).copy() for i in range(len(self.layers))]
+
+    # ------------------------------------------------------------------ writes the plan asks for
+    def _write_rows(self, rows: dict, i: int, slot: int, positions, first: int = 0) -> None:
+        """Layer i: new rows [first, T) of ``rows`` (k_new_i, v_new_i (B, Hc, T, .)) into slots [slot, ...), their
+        positions (B, T) alike."""
+        n = rows[f"k_new_{i}"].shape[2] - first
+        self.cache[f"k_{i}"][:, :, slot : slot + n] = rows[f"k_new_{i}"][:, :, first:]
+        self.cache[f"v_{i}"][:, :, slot : slot + n] = rows[f"v_new_{i}"][:, :, first:]
+        self.cache[f"pos_{i}"][:, :, slot : slot + n] = self._host(np.asarray(positions)[:, None, first:])
+
+    def _write_kept(self, kept: dict) -> None:
+        """A compaction's output: the best budget_i rows into slots [0, budget_i), the rest of the layer emptied."""
+        for i, b in enumerate(self.plan.budgets):
+            self.cache[f"k_{i}"][:, :, :b] = kept[f"kept_k_{i}"]
+            self.cache[f"v_{i}"][:, :, :b] = kept[f"kept_v_{i}"]
+            self.cache[f"pos_{i}"][:, :, :b] = kept[f"kept_pos_{i}"]
+            self.cache[f"pos_{i}"][:, :, b:] = -1
+
+    def _cache_inputs(self, graph: str, extra: dict | None = None) -> dict:
+        names = self._io_plan(graph)[0]
+        pool = {**self.cache, **(extra or {})}
+        return {n: pool[n] for n in names}
 
     # ------------------------------------------------------------------ step API
     def reset(self) -> None:
@@ -319,9 +378,9 @@ class OrtGenerator:
     def prefill(self, input_ids, attention_mask=None) -> np.ndarray:
         """Reset, then feed the prompt ``input_ids`` (B, N) (``attention_mask`` (B, N) 0/1, left padded).
 
-        Static exports run the prefill graph on the plan's chunks (a short last chunk padded at its front); a press
-        compacts whenever a chunk overflows a layer's budget. Returns the logits of the last prompt token, (B, V)
-        (a copy)."""
+        Static exports run the prefill graph on the plan's chunks (a short last chunk padded at its front) and write
+        each chunk's real columns at ``fill``, or run ``compact_prefill`` when a layer overflows its budget. Returns
+        the logits of the last prompt token, (B, V) (a copy)."""
         ids, mask = check_prompt(input_ids, attention_mask, 1)
         if ids.shape[0] != self.batch:
             raise BadUsage(f"this export takes batches of {self.batch} prompt(s), got {ids.shape[0]}")
@@ -337,25 +396,40 @@ class OrtGenerator:
             self.last_logits = last
             return last.copy()
         self.plan.check_fits(N)
-        for index, chunk in enumerate(self.plan.chunks(N)):
-            step = self.state.prefill(chunk.n_real)
-            pad = chunk.pad
-            c_ids = np.concatenate([np.zeros((B, pad), np.int64), ids[:, chunk.start:chunk.stop]], axis=1)
-            c_pos = np.concatenate([np.full((B, pad), -1, np.int64), pos[:, chunk.start:chunk.stop]], axis=1)
-            self._run("prefill", self._feeds("prefill", input_ids=c_ids, positions=c_pos,
-                                             fill=np.array(step.fills, np.int64), n_pad=np.array([pad], np.int64)))
-            if step.any_compaction:
-                self._compacted(f"prefill:{index}")
+        chunk_shapes = {n: ((*shape[:2], C, shape[3]), dt) for n, (shape, dt) in self.step_shapes.items()}
+        self.staging = {n: self._array(shape, dt) for n, (shape, dt) in chunk_shapes.items()}
+        try:
+            out = {**self.staging, "logits": self.logits}
+            for index, chunk in enumerate(self.plan.chunks(N)):
+                step = self.state.prefill(chunk.n_real)
+                pad = chunk.pad
+                c_ids = np.concatenate([np.zeros((B, pad), np.int64), ids[:, chunk.start:chunk.stop]], axis=1)
+                c_pos = np.concatenate([np.full((B, pad), -1, np.int64), pos[:, chunk.start:chunk.stop]], axis=1)
+                rows = self._call("prefill", self._feeds("prefill", input_ids=c_ids, positions=c_pos),
+                                  self._cache_inputs("prefill"), out)
+                if step.any_compaction:
+                    kept = self._call("compact_prefill",
+                                      self._feeds("compact_prefill", fill=np.array(step.fills, np.int64),
+                                                  n_pad=np.array([pad], np.int64), positions=c_pos),
+                                      self._cache_inputs("compact_prefill", rows), {})
+                    self._write_kept(kept)
+                    self._compacted(f"prefill:{index}")
+                else:
+                    for i, f in enumerate(step.fills):
+                        self._write_rows(rows, i, f, c_pos, first=pad)
+        finally:
+            self.staging = {}
         self.last_logits = self._logits_now()
         return self.last_logits.copy()
 
     def _logits_now(self) -> np.ndarray:
-        return self._logits_array.copy() if self.arrays else self.logits.numpy()
+        return _to_numpy(self.logits).copy()
 
     def decode(self, token) -> np.ndarray:
         """Feed one token per sequence, ``token`` (B,) int (or an int for batch 1), at the next position; returns
-        its logits (B, V). A press export compacts when the plan says so; a full-cache export refuses a token
-        that does not fit (:class:`~kvexport.cache.plan.CacheFull`)."""
+        its logits (B, V). The graph returns the token's rows and the host writes them where the plan says; a press
+        export compacts when the plan says so; a full-cache export refuses a token that does not fit
+        (:class:`~kvexport.cache.plan.CacheFull`)."""
         if getattr(self, "last_logits", None) is None:
             raise BadUsage("decode() before prefill(); call prefill(input_ids) first")
         tok = np.asarray(token, dtype=np.int64).reshape(self.batch)
@@ -364,15 +438,23 @@ class OrtGenerator:
             last = self._run_dynamic(tok[:, None], pos)
         else:
             step = self.state.decode()
-            self._run("decode", self._feeds("decode", input_ids=tok[:, None], positions=pos,
-                                            slot=np.array(step.slots, np.int64),
-                                            query_slot=np.array([step.query_slot], np.int64)))
+            rows = self._call("decode", self._feeds("decode", input_ids=tok[:, None], positions=pos),
+                              self._cache_inputs("decode"), self.step_out, persistent=True)
             last = self._logits_now()
+            for i, slot in enumerate(step.slots):
+                self._write_rows(rows, i, slot, pos)
+            if self.press is not None:
+                q = step.query_slot
+                for i in range(len(self.layers)):
+                    self.cache[f"qbuf_{i}"][:, :, q : q + 1] = rows[f"q_new_{i}"]
+                self.cache["qpos"][:, q : q + 1] = self._host(pos)
             if step.compact:
                 start = self.state.query_start
                 fills = self.state.compact()
-                self._run("compact", self._feeds("compact", fill=np.array(fills, np.int64),
-                                                 query_start=np.array([start], np.int64)))
+                kept = self._call("compact", self._feeds("compact", fill=np.array(fills, np.int64),
+                                                         query_start=np.array([start], np.int64)),
+                                  self._cache_inputs("compact"), {})
+                self._write_kept(kept)
                 self._compacted(f"decode:{self.step}")
         self.step += 1
         self.next_pos = self.next_pos + 1
@@ -380,7 +462,7 @@ class OrtGenerator:
         return last.copy()
 
     def _feeds(self, graph: str, **candidates: np.ndarray) -> dict[str, np.ndarray]:
-        """The host inputs ``graph`` declares, out of ``candidates`` (cache tensors are bound separately)."""
+        """The host inputs ``graph`` declares, out of ``candidates`` (buffers are bound separately)."""
         names = self._io_plan(graph)[2]
         missing = sorted(n for n in names if n not in candidates)
         if missing:
@@ -476,17 +558,27 @@ class OrtGenerator:
         return tok
 
 
-_NP_ITEMSIZE = {"tensor(float)": 4, "tensor(float16)": 2, "tensor(bfloat16)": 2, "tensor(int64)": 8,
-                "tensor(int32)": 4, "tensor(int8)": 1, "tensor(uint8)": 1, "tensor(double)": 8, "tensor(bool)": 1}
+_NP_OF_TORCH = {"torch.float32": np.float32, "torch.float16": np.float16, "torch.int64": np.int64,
+                "torch.int32": np.int32, "torch.bool": np.bool_}
 
 
-def _ov_nbytes(ov) -> int:
-    """Bytes of an OrtValue, from its own shape and element type."""
-    return int(np.prod(ov.shape(), dtype=np.int64)) * _NP_ITEMSIZE[ov.data_type()]
+def _nbytes(arr) -> int:
+    """Bytes of a buffer (NumPy array or torch tensor)."""
+    return int(arr.nbytes) if hasattr(arr, "nbytes") else int(arr.numel() * arr.element_size())
+
+
+def _to_numpy(x) -> np.ndarray:
+    if hasattr(x, "detach"):
+        return x.detach().cpu().numpy()
+    if hasattr(x, "numpy") and not isinstance(x, np.ndarray):
+        return x.numpy()
+    return np.asarray(x)
 
 
 def _kind(name: str) -> str:
-    """Cache tensor name -> the kind :meth:`OrtGenerator.resident_bytes` counts it under."""
+    """Buffer name -> the kind :meth:`OrtGenerator.resident_bytes` counts it under."""
+    if name.startswith(("k_new_", "v_new_", "q_new_")):
+        return "new"
     if name.startswith(("k_", "v_")):
         return "kv"
     if name.startswith("pos_"):

@@ -75,6 +75,34 @@ def grouped_attention(
     return out, (probs.reshape(B, Hq, T, S) if return_probs else None)
 
 
+def attention_over_parts(q, parts, q_pos, scaling: float, sliding_window: int | None = None) -> torch.Tensor:
+    """:func:`grouped_attention` over the union of several key/value parts, without concatenating them.
+
+    q (B, Hq, T, Dk); parts: [(k (B, Hc, S_p, Dk), v (B, Hc, S_p, Dv), k_pos (B, Hc, S_p)), ...] (e.g. the cache
+    and this step's tokens). Each part's masked logits are exponentiated against one shared maximum and the
+    parts' numerators and denominators summed (the log-sum-exp merge of split-KV attention): the softmax over
+    the concatenation, to rounding, reading each part once and copying none. A query that sees no key averages
+    every entry uniformly, as :func:`grouped_attention` does. -> out (B, Hq, T, Dv).
+    """
+    B, Hq, T, Dk = q.shape
+    Hc = parts[0][0].shape[1]
+    G = Hq // Hc
+    qg = q.reshape(B, Hc, G * T, Dk)
+    fmin = torch.finfo(torch.float32).min
+    logits = []
+    for k, _, k_pos in parts:
+        lg = (torch.matmul(qg, k.transpose(-1, -2)).reshape(B, Hc, G, T, k.shape[2]) * scaling).float()
+        logits.append(lg.masked_fill(~visibility_mask(q_pos, k_pos, sliding_window), fmin))
+    m = torch.stack([lg.amax(-1) for lg in logits]).amax(0)[..., None]  # (B, Hc, G, T, 1)
+    num = den = None
+    for lg, (_, v, _) in zip(logits, parts, strict=True):
+        e = torch.exp(lg - m)  # masked entries: exp(min - m) = 0, unless nothing is visible (then 1)
+        n = torch.matmul(e.to(v.dtype).reshape(B, Hc, G * T, -1), v).float()
+        d = e.sum(-1).reshape(B, Hc, G * T, 1)
+        num, den = (n, d) if num is None else (num + n, den + d)
+    return (num / den).to(parts[0][1].dtype).reshape(B, Hq, T, -1)
+
+
 class GQAAttention(nn.Module):
     """The attention of Llama / Qwen2 (q/k/v bias) / Qwen3 (q_norm, k_norm) / Mistral.
 
@@ -126,15 +154,13 @@ class GQAAttention(nn.Module):
         past_v: torch.Tensor,
         past_pos: torch.Tensor,
     ):
-        """Attend over [past slots ; this step's tokens]. past_* may have S = 0 slots."""
+        """Attend over the past slots and this step's tokens (without copying the past). past_* may have S = 0."""
         B, T, _ = h.shape
         q_pre, k_new, v_new = self.project(h, positions)
         q = self.rotary.apply(q_pre, positions)
         new_pos = positions[:, None, :].expand(B, self.num_kv_heads, T)
-        k_all = torch.cat([past_k, k_new], dim=2)
-        v_all = torch.cat([past_v, v_new], dim=2)
-        pos_all = torch.cat([past_pos, new_pos], dim=2)
-        out, _ = grouped_attention(q, k_all, v_all, positions, pos_all, self.scaling,
-                                   sliding_window=self.sliding_window)
+        parts = [(k_new, v_new, new_pos)] if past_k.shape[2] == 0 else [(past_k, past_v, past_pos),
+                                                                         (k_new, v_new, new_pos)]
+        out = attention_over_parts(q, parts, positions, self.scaling, self.sliding_window)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         return self.o_proj(out), k_new, v_new, q_pre

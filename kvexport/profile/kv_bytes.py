@@ -90,11 +90,8 @@ class CacheShape:
             return batch * int(context) * 8
         return batch * self.cache_heads() * sum(self.layer_slots(context)) * 8
 
-    def resident_bytes_at(self, context: int, batch: int = 1, double_buffered: bool = False) -> dict[str, int]:
-        """Every byte held for ``batch`` sequences of ``context`` tokens, by kind, and ``total``.
-
-        double_buffered: the runtime keeps a second copy of every cache buffer (onnxruntime's ping-pong).
-        """
+    def resident_bytes_at(self, context: int, batch: int = 1) -> dict[str, int]:
+        """Every byte held for ``batch`` sequences of ``context`` tokens while decoding, by kind, and ``total``."""
         out = {"kv": self.bytes_at(context, batch), "positions": self.index_bytes_at(context, batch),
                "queries": 0, "query_positions": 0}
         if self.evicting:
@@ -104,11 +101,21 @@ class CacheShape:
                 self.num_layers
             out["queries"] = batch * self.query_heads * self.window * sum(dims) * self.dtype_bytes
             out["query_positions"] = batch * self.window * 8
-        out["double_buffers"] = sum(out.values()) if double_buffered else 0
         static = self.evicting or bool(self.capacity)  # a growing past gets fresh outputs each step instead
+        out["step_outputs"] = self.step_bytes(batch, 1) if static else 0
         out["logits"] = batch * self.vocab_size * self.dtype_bytes if static else 0
+        out["staging"] = 0
         out["total"] = sum(out.values())
         return out
+
+    def step_bytes(self, batch: int, tokens: int) -> int:
+        """New rows a step of ``tokens`` tokens returns (keys and values, and with a press the queries), all layers."""
+        rows = sum(self.elements_per_token())
+        if self.evicting:
+            dims = self.elements_per_token() if self.mla_ranks is not None else [self.query_dim or self.head_dim] * \
+                self.num_layers
+            rows += (self.query_heads or 0) * sum(dims)
+        return batch * tokens * rows * self.dtype_bytes
 
     @classmethod
     def from_export(cls, settings: dict[str, Any]) -> "CacheShape":

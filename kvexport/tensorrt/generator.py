@@ -4,11 +4,12 @@
 ``TrtGenerator(export_dir, engines=None, plugins=None)`` reads the export's manifest (settings, host rules) and
 the engine folder ``kvexport build-engine`` wrote (default ``EXPORT_DIR-tensorrt``: ``<graph>.engine`` per ONNX
 graph, ``engines.json``, its own ``manifest.json`` recording the sha256 of the export's manifest). The host side
-(chunked prefill, decode at slot ``fill``, host-triggered compaction, ``kept_positions``, ``on_compaction``) is
-inherited from ``OrtGenerator``; only the graph calls differ: each graph runs through a
-:class:`~kvexport.tensorrt.runner.TensorRTRunner` (or any object with Polygraphy's ``infer(feed_dict)``), and
-the caches stay on the device between calls (each call's ``*_out`` tensors become the next call's ``*_in``).
-Static-cache exports only (the growing-past baseline has no fixed shapes to build engines for).
+(the cache plan, the in-place writes of each step's new rows, compactions, ``kept_positions``, ``on_compaction``)
+is inherited from ``OrtGenerator``; only where the buffers live and how a graph is called differ: each graph runs
+through a :class:`~kvexport.tensorrt.runner.TensorRTRunner` (or any object with Polygraphy's
+``infer(feed_dict)``), the cache buffers are device tensors (torch CUDA) written in place, and the decode step's
+outputs are bound to preallocated device buffers. Static-cache exports only (the growing-past baseline has no
+fixed shapes to build engines for).
 
 Without TensorRT or a CUDA GPU, constructing one raises :class:`~kvexport.errors.MissingBackend` with one line.
 """
@@ -86,7 +87,7 @@ class TrtGenerator(OrtGenerator):
             r.activate()
             self.runners[name] = r
         self.providers = ["TensorRT"]
-        self.device = "cuda"
+        self.device = getattr(runner_factory, "device", "cpu")  # a stand-in runner: host arrays
         self.batch = int(s["batch"])
         self.dtype = NP_DTYPES[s["dtype"]]
         self.dynamic = False
@@ -107,52 +108,29 @@ class TrtGenerator(OrtGenerator):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ buffers: one live tensor per cache input
-    def _alloc(self) -> None:
-        self._init_cache_layout()
-        self.tensors: dict[str, Any] = {}
-        self.arrays = {}
-        self._logits = None
+    # ------------------------------------------------------------------ backend hooks of OrtGenerator
+    def _array(self, shape, dtype, fill=0):
+        if self.device == "cpu":  # a stand-in runner without a GPU (tests)
+            return np.full(shape, fill, dtype)
+        import torch
 
-    def _logits_now(self) -> np.ndarray:
-        return _to_numpy(self._logits).copy()
+        return torch.from_numpy(np.full(shape, fill, dtype)).to("cuda")
 
-    def _reset_buffers(self) -> None:
-        self.tensors = {n: self._empty(n) for n in self.shapes}  # moved to the device by the first call
-
-    def resident_bytes(self) -> dict[str, int]:
-        """Bytes of the live cache tensors (device or host), by kind, and ``total``."""
-        from kvexport.export.runtime import _kind
-
-        out = dict.fromkeys(("kv", "positions", "queries", "query_positions", "logits"), 0)
-        for n, t in self.tensors.items():
-            out[_kind(n)] += int(t.nbytes) if hasattr(t, "nbytes") else int(t.numel() * t.element_size())
-        if self._logits is not None:
-            out["logits"] = _to_numpy(self._logits).nbytes
-        out["total"] = sum(out.values())
-        return out
-
-    def _call(self, graph: str, feeds: dict) -> dict:
+    def _call(self, graph: str, feeds: dict, arrays: dict, outputs: dict, persistent: bool = False) -> dict:
         r = self.runners[graph]
+        feed = {**feeds, **arrays}
         impl = getattr(r, "infer_impl", None)
-        if impl is not None and "copy_outputs_to_host" in inspect.signature(impl).parameters:
-            return r.infer(feeds, check_inputs=False, copy_outputs_to_host=False)  # outputs stay on the device
-        return r.infer(feeds, check_inputs=False)
-
-    def _run(self, graph: str, feeds: dict[str, np.ndarray]) -> None:
-        ins, outs, _ = self._io_plan(graph)
-        feed = dict(feeds)
-        for name, base in ins:
-            feed[name] = self.tensors[base]
-        out = self._call(graph, feed)
-        for name, base in outs:
-            if base is None:
-                self._logits = out[name]
+        params = inspect.signature(impl).parameters if impl is not None else {}
+        if "outputs" in params:  # TensorRTRunner: write into our buffers, nothing allocated per call
+            return r.infer(feed, check_inputs=False, copy_outputs_to_host=False, outputs=outputs)
+        got = r.infer(feed, check_inputs=False)
+        out = dict(outputs)
+        for name, value in got.items():
+            if name in outputs:
+                outputs[name][...] = self._host(_to_numpy(value)) if self.device == "cpu" else value
             else:
-                self.tensors[base] = out[name]
-
-    def _positions_now(self) -> list[np.ndarray]:
-        return [_to_numpy(self.tensors[f"pos_{i}"]).copy() for i in range(len(self.layers))]
+                out[name] = self._host(_to_numpy(value))
+        return out
 
 def _real_runner_factory() -> Callable:
     from kvexport.tensorrt.backend import import_tensorrt
@@ -167,7 +145,11 @@ def _real_runner_factory() -> Callable:
                              "on a machine with a GPU and a CUDA build of PyTorch, or use --backend onnxruntime")
     from kvexport.tensorrt.runner import TensorRTRunner
 
-    return lambda engine, plugins: TensorRTRunner(engine, plugins)
+    def factory(engine, plugins):
+        return TensorRTRunner(engine, plugins)
+
+    factory.device = "cuda"
+    return factory
 
 
 __all__ = ["TrtGenerator", "default_engine_dir", "verify_engine_dir", "ENGINE_KIND"]

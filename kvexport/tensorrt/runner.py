@@ -79,7 +79,8 @@ class TensorRTRunner(BaseRunner):
                 meta.add(n, DataType.from_dtype(self._torch_dtype(n)), tuple(self.engine.get_tensor_shape(n)))
         return meta
 
-    def infer_impl(self, feed_dict, copy_outputs_to_host=True):
+    def infer_impl(self, feed_dict, copy_outputs_to_host=True, outputs=None):
+        """``outputs``: preallocated device tensors by name to write into (the rest are allocated here)."""
         import numpy as np
         import torch
 
@@ -95,11 +96,14 @@ class TensorRTRunner(BaseRunner):
                 self.context.set_input_shape(n, tuple(t.shape))
                 self.context.set_tensor_address(n, t.data_ptr())
                 keep.append(t)
+        given = outputs or {}
         outputs = OrderedDict()
         for n in self._names:
             if not self._is_input(n):
                 shape = tuple(self.context.get_tensor_shape(n))
-                t = torch.empty(shape, dtype=self._torch_dtype(n), device=dev)
+                t = given.get(n)
+                if t is None or tuple(t.shape) != shape:
+                    t = torch.empty(shape, dtype=self._torch_dtype(n), device=dev)
                 self.context.set_tensor_address(n, t.data_ptr())
                 outputs[n] = t
         stream = torch.cuda.current_stream()

@@ -27,22 +27,33 @@ def exported(tiny_models, tmp_path_factory):
 
 
 class EndPadded(OrtGenerator):
-    """The last chunk's padding placed after its real columns, and the graph told there is none."""
+    """The last chunk's padding placed after its real columns, and the compaction told there is none."""
 
     def prefill(self, input_ids, attention_mask=None):
         ids = np.asarray(input_ids, np.int64)
-        N = ids.shape[1]
+        N, B = ids.shape[1], self.batch
         self.reset()
-        self.next_pos = np.full(self.batch, N, np.int64)
-        pos = np.arange(N)[None].repeat(self.batch, 0)
+        self.next_pos = np.full(B, N, np.int64)
+        pos = np.arange(N)[None].repeat(B, 0)
+        C = int(self.settings["chunk"])
+        self.staging = {n: self._array((*sh[:2], C, sh[3]), dt) for n, (sh, dt) in self.step_shapes.items()}
+        out = {**self.staging, "logits": self.logits}
         for index, chunk in enumerate(self.plan.chunks(N)):
             step = self.state.prefill(chunk.n_real)
-            c_ids = np.concatenate([ids[:, chunk.start:chunk.stop], np.zeros((self.batch, chunk.pad), np.int64)], 1)
-            c_pos = np.concatenate([pos[:, chunk.start:chunk.stop], np.full((self.batch, chunk.pad), -1)], 1)
-            self._run("prefill", self._feeds("prefill", input_ids=c_ids, positions=c_pos,
-                                             fill=np.array(step.fills, np.int64), n_pad=np.zeros(1, np.int64)))
+            c_ids = np.concatenate([ids[:, chunk.start:chunk.stop], np.zeros((B, chunk.pad), np.int64)], 1)
+            c_pos = np.concatenate([pos[:, chunk.start:chunk.stop], np.full((B, chunk.pad), -1)], 1)
+            rows = self._call("prefill", {"input_ids": c_ids, "positions": c_pos}, self._cache_inputs("prefill"), out)
             if step.any_compaction:
+                kept = self._call("compact_prefill", {"fill": np.array(step.fills, np.int64),
+                                                      "n_pad": np.zeros(1, np.int64), "positions": c_pos},
+                                  self._cache_inputs("compact_prefill", rows), {})
+                self._write_kept(kept)
                 self._compacted(f"prefill:{index}")
+            else:
+                for i, f in enumerate(step.fills):
+                    self._write_rows({k: v[:, :, : chunk.n_real] for k, v in rows.items() if k != "logits"}, i, f,
+                                     c_pos[:, : chunk.n_real])
+        self.staging = {}
         self.last_logits = self._logits_now()
         return self.last_logits.copy()
 

@@ -127,7 +127,7 @@ def test_profile_dir_pytorch(tmp_path, tiny_hf_dir):
     (d / "convert.json").write_text(json.dumps({"settings": {
         "model": str(tiny_hf_dir), "press": "knorm", "budget": 16, "window": 4, "chunk": 16}}))
     prof = profile_dir(d, backend="pytorch", contexts=[32, 64, 100000], decode_steps=3)
-    assert json.loads((d / "profile.json").read_text())["backend"] == "pytorch"
+    assert json.loads((d / "profile-pytorch.json").read_text())["backend"] == "pytorch"
     assert prof["contexts"] == [32, 64]
     assert prof["skipped_contexts"][0]["context"] == 100000
     conv, base = prof["variants"]["converted"], prof["variants"]["baseline"]
