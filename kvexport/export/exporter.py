@@ -13,7 +13,7 @@ Layout of an export directory (static caches)::
     decode.onnx            one token per row over the cache -> logits and its new rows (the host writes them)
     compact_prefill.onnx   a chunk's compaction: the best budget of [cache ; chunk] (absent without a press)
     compact.onnx           decode-time compaction of every layer (absent without a press)
-    *.onnx.data    external weights, when a graph holds more than 4 MiB of initializers
+    weights.data   every graph's weights (initializers >= 1 KiB), each tensor once: the graphs share it by offset
     tokenizer/     the source model's tokenizer files, when it has them
     manifest.json  settings, model hash and sha256 of every file (kvexport.export.manifest)
 
@@ -43,7 +43,9 @@ from kvexport.export.manifest import atomic_output, check_out_dir, write_manifes
 # torch's exporter warns once per graph that torchvision's ops are not registered; they are never used here
 logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 
-EXTERNAL_DATA_BYTES = 4 << 20  # a graph with more initializer bytes than this keeps them in <graph>.onnx.data
+WEIGHTS_FILE = "weights.data"  # every graph's initializers of at least EXTERNAL_MIN_BYTES, each stored once
+EXTERNAL_MIN_BYTES = 1024
+WEIGHT_ALIGN = 64  # byte alignment of each tensor in WEIGHTS_FILE
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 NOT_EXPORTABLE = {
     "random": "its scores are fresh random draws of the candidates' shape, which a static graph cannot reproduce",
@@ -292,17 +294,48 @@ def _optimize(model) -> None:
     )(model)
 
 
-def _save(model, path: Path) -> bool:
-    import onnx
+class SharedWeights:
+    """One ``weights.data`` for all graphs of an export: each initializer of at least ``EXTERNAL_MIN_BYTES`` is
+    written once (identical bytes, dtype and shape are stored once however many graphs use them, under whatever
+    name the exporter gave them) and every graph's tensor points at it by offset. Tensors are appended as each
+    graph is saved and their bytes dropped from the graph, so no second copy of the weights builds up."""
 
-    size = sum(len(t.raw_data) for t in model.graph.initializer)
-    external = size > EXTERNAL_DATA_BYTES
-    if external:
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=path.name + ".data", size_threshold=1024, convert_attribute=False)
-    else:
+    def __init__(self, directory: Path):
+        self.path = directory / WEIGHTS_FILE
+        self.offsets: dict[tuple, tuple[int, int]] = {}
+        self.size = 0
+
+    def save(self, model, path: Path) -> bool:
+        """Write ``model`` to ``path`` with its large initializers in the shared file; -> whether it uses it."""
+        import hashlib
+
+        import onnx
+
+        used = False
+        with open(self.path, "ab") as f:
+            for t in model.graph.initializer:
+                if t.data_location == onnx.TensorProto.EXTERNAL or len(t.raw_data) < EXTERNAL_MIN_BYTES:
+                    continue
+                key = (hashlib.sha256(t.raw_data).digest(), t.data_type, tuple(t.dims))
+                if key not in self.offsets:
+                    pad = -self.size % WEIGHT_ALIGN
+                    f.write(b"\0" * pad)
+                    self.size += pad
+                    f.write(t.raw_data)
+                    self.offsets[key] = (self.size, len(t.raw_data))
+                    self.size += len(t.raw_data)
+                offset, length = self.offsets[key]
+                t.ClearField("raw_data")
+                t.data_location = onnx.TensorProto.EXTERNAL
+                del t.external_data[:]
+                for k, v in (("location", WEIGHTS_FILE), ("offset", str(offset)), ("length", str(length))):
+                    e = t.external_data.add()
+                    e.key, e.value = k, v
+                used = True
+        if not used and self.size == 0:
+            self.path.unlink(missing_ok=True)
         onnx.save_model(model, str(path))
-    return external
+        return used
 
 
 # ----------------------------------------------------------------------------- example inputs
@@ -444,10 +477,12 @@ def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: P
     n_graphs = 4 if wq else 2
     files: dict[str, Any] = {}
 
+    weights = SharedWeights(tmp)
+
     def export(name: str, module, args, inputs, outputs, k: int) -> None:
         say(f"exporting {name}.onnx ({k}/{n_graphs})")
         m = _export_graph(module.eval(), args, inputs, outputs, custom)
-        files[name] = {"file": f"{name}.onnx", "external_data": _save(m, tmp / f"{name}.onnx"), **_io(m)}
+        files[name] = {"file": f"{name}.onnx", "external_data": weights.save(m, tmp / f"{name}.onnx"), **_io(m)}
 
     ids = torch.zeros(batch, chunk, dtype=torch.long)
     pos = torch.arange(chunk).expand(batch, chunk).contiguous()
@@ -490,5 +525,5 @@ def _export_dynamic(dec, tmp: Path, batch: int, td, custom: bool) -> dict[str, A
             torch.arange(P).expand(batch, P).contiguous(), *past)
     m = _export_graph(graphs.GrowingPast(dec).eval(), args, ["input_ids", "positions", "past_positions"] + names_in,
                       ["logits", "present_positions"] + names_out, custom, dynamic_shapes=tuple(dyn))
-    return {"file": "model.onnx", "external_data": _save(m, tmp / "model.onnx"), **_io(m)}
+    return {"file": "model.onnx", "external_data": SharedWeights(tmp).save(m, tmp / "model.onnx"), **_io(m)}
 

@@ -113,15 +113,13 @@ class OrtGenerator:
         self.reset()
 
     def _share_initializers(self, graphs: dict, threads: int | None) -> dict:
-        """One copy of every external weight for all graphs of the export (CPU).
+        """One copy in memory of every weight for all graphs of the export (CPU).
 
-        prefill.onnx and decode.onnx each carry the model's weights (under exporter-chosen names); loaded
-        as they are, onnxruntime would keep one copy per session. Identical tensors (same bytes, dtype and
-        shape) are read once and handed to every session with ``SessionOptions.add_initializer``; weight
-        prepacking is disabled for those sessions, since it would make a packed copy per session again.
+        The graphs share one weights file on disk (each tensor once, by offset; kvexport.export.exporter);
+        loaded as they are, onnxruntime would still keep one copy per session. Each stored tensor is read once
+        and handed to every session that uses it with ``SessionOptions.add_initializer``; weight prepacking is
+        disabled for those sessions, since it would make a packed copy per session again.
         """
-        import hashlib
-
         import onnx
 
         np_types = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
@@ -140,10 +138,10 @@ class OrtGenerator:
                     if t.data_location != onnx.TensorProto.EXTERNAL or t.data_type not in np_types:
                         continue
                     info = {e.key: e.value for e in t.external_data}
-                    raw = np.fromfile(self.path / info["location"], dtype=np.uint8, count=int(info["length"]),
-                                      offset=int(info.get("offset", 0)))
-                    key = hashlib.sha256(raw.data).hexdigest() + f":{t.data_type}:{list(t.dims)}"
+                    key = (info["location"], int(info.get("offset", 0)), int(info["length"]), t.data_type, tuple(t.dims))
                     if key not in self._shared:
+                        raw = np.fromfile(self.path / info["location"], dtype=np.uint8, count=int(info["length"]),
+                                          offset=int(info.get("offset", 0)))
                         arr = raw.view(np_types[t.data_type]).reshape(list(t.dims))
                         self._shared[key] = (arr, self._ort.OrtValue.ortvalue_from_numpy(arr))
                     so.add_initializer(t.name, self._shared[key][1])

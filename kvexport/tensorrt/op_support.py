@@ -398,6 +398,14 @@ def _prepared(model):
 
     from kvexport.export import ops as kvx_ops
 
+    external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    if external:  # the checks need types and shapes only: weights stored outside become typed graph inputs
+        model = onnx.ModelProto.FromString(model.SerializeToString())
+        kept = [t for t in model.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
+        model.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                                 for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(kept)
     keep = [(f.domain, f.name) for f in model.functions if f.domain == KVEXPORT_DOMAIN and f.name in PLUGIN_IO]
     if len(keep) != len(model.functions):
         model = inliner.inline_selected_functions(model, keep, exclude=True)

@@ -10,7 +10,6 @@ import stat
 import pytest
 
 from kvexport.export import export_model, validate
-from kvexport.export import exporter as exporter_mod
 
 
 def modes(root):
@@ -18,8 +17,7 @@ def modes(root):
 
 
 @pytest.mark.parametrize("mask,file_mode,dir_mode", [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)])
-def test_export_and_parity_follow_the_umask(tiny_models, tmp_path, monkeypatch, mask, file_mode, dir_mode):
-    monkeypatch.setattr(exporter_mod, "EXTERNAL_DATA_BYTES", 0)  # external .onnx.data files, as for a real model
+def test_export_and_parity_follow_the_umask(tiny_models, tmp_path, mask, file_mode, dir_mode):
     old = os.umask(mask)
     try:
         hf = tiny_models("llama")
@@ -28,7 +26,7 @@ def test_export_and_parity_follow_the_umask(tiny_models, tmp_path, monkeypatch, 
     finally:
         os.umask(old)
     got = modes(out)
-    assert any(name.endswith(".onnx.data") for name in got) and "parity.json" in got
+    assert "weights.data" in got and "parity.json" in got
     for name, mode in got.items():
         want = dir_mode if (out / name).is_dir() else file_mode
         assert mode == want, f"{name}: {oct(mode)} != {oct(want)}"

@@ -67,7 +67,7 @@ def test_trt_generator_matches_onnxruntime(exported):
     from kvexport.export import OrtGenerator
 
     ids = np.random.default_rng(1).integers(3, 128, (1, 19))
-    ref = OrtGenerator(exported).generate(ids, None, 14, keep_logits=True)
+    ref = OrtGenerator(exported, share_weights=False).generate(ids, None, 14, keep_logits=True)  # plain sessions, as the stand-in
     with TrtGenerator(exported, runner_factory=OnnxAsEngine) as gen:  # default engine folder: x-tensorrt
         res = gen.generate(ids, None, 14, keep_logits=True)
         calls = {n: r.calls for n, r in gen.runners.items()}
@@ -105,7 +105,10 @@ def test_validate_adds_tensorrt_pairs(exported, tmp_path, tiny_models):
     shutil.copytree(exported, d)
     fake_engines(d, tmp_path / "x-tensorrt")
     gen = TrtGenerator(d, runner_factory=OnnxAsEngine)
-    rep = validate(d, prompts=[5, 20], steps=6, trt_generator=gen, backend="tensorrt", model=tiny_models("llama"))
+    from kvexport.export import OrtGenerator
+
+    rep = validate(d, prompts=[5, 20], steps=6, trt_generator=gen, backend="tensorrt", model=tiny_models("llama"),
+                   candidate=OrtGenerator(d, share_weights=False))  # plain sessions, as the stand-in engines
     assert set(rep["pairs"]) == {"pytorch~onnxruntime", "onnxruntime~tensorrt", "pytorch~tensorrt"}
     assert rep["pairs"]["onnxruntime~tensorrt"]["max_abs_logit_error"] == 0.0
     for p in rep["pairs"].values():
