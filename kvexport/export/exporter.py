@@ -359,14 +359,17 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
                  chunk: int = 128, dtype: str = "fp32", ops: str = "custom", dynamic_cache: bool = False,
                  force: bool = False, max_positions: int | None = None, source: str | Path | None = None,
                  tokenizer_dir: str | Path | None = None, original: str | Path | None = None,
-                 progress=None) -> Path:
+                 decode_batch: int | None = None, progress=None) -> Path:
     """Export ``model`` to ``out_dir`` (written atomically; see the module docstring for the layout).
 
     model: HF model directory, in-memory HF ``*ForCausalLM``, or a kvexport Decoder (MLA-rewritten or not).
     press/budget/window: eviction (static capacity budget + window per layer); press None = full cache with
     capacity ``max_positions`` (or, with ``dynamic_cache``, the growing-past baseline).
     mla_rank/rope_dim: rewrite to MLA first (X-EcoMLA SVD init), decode through LatentAttention.
-    batch/chunk: static batch and prefill chunk; dtype "fp32"/"fp16"; ops "custom" (kvexport nodes backed
+    batch/chunk: static batch and prefill chunk; decode_batch: also a ``decode_batch.onnx`` decoding that many rows at
+    once (sequences at their own positions and fills: a server's slots; prefill and compaction run per row with
+    the batch-``batch`` graphs on row views of the same cache; the weights are shared, not copied);
+    dtype "fp32"/"fp16"; ops "custom" (kvexport nodes backed
     by local functions) or "standard" (the functions inlined). Returns the output directory.
     source: for an in-memory ``model``, the directory its reference model lives in (an HF or saved MLA
     directory holding the same weights): recorded in the manifest (absolute, and relative to the export so a
@@ -382,6 +385,8 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
         raise BadUsage(f"--ops {opsel!r} unknown; accepted: custom, standard")
     if dtype not in DTYPES:
         raise BadUsage(f"--dtype {dtype!r} unknown; accepted: {', '.join(DTYPES)}")
+    if decode_batch is not None and (int(decode_batch) < 1 or dynamic_cache):
+        raise BadUsage(f"--decode-batch {decode_batch} must be >= 1, and needs a static cache (not --dynamic-cache)")
     for name, v in (("batch", batch), ("chunk", chunk), ("window", window)):
         if int(v) < 1:
             raise BadUsage(f"--{name} {v} must be >= 1")
@@ -421,6 +426,7 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
     custom = opsel == "custom"
     settings: dict[str, Any] = {
         "mode": "dynamic" if dynamic_cache else "static", "batch": int(batch), "chunk": int(chunk),
+        "decode_batch": int(decode_batch) if decode_batch is not None else None,
         "window": window_eff, "budgets": budgets if p is not None else None,
         "capacities": [b + window_eff for b in budgets] if not dynamic_cache else None,
         "press": press_to_dict(p), "mla": mla, "dtype": dtype, "ops": opsel, "opset": ops_mod.OPSET,
@@ -439,7 +445,7 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
             say("exporting model.onnx (growing past)")
             files["model"] = _export_dynamic(dec, tmp, batch, td, custom)
         else:
-            files.update(_export_static(dec, p, budgets, window_eff, batch, chunk, td, custom, tmp, say))
+            files.update(_export_static(dec, p, budgets, window_eff, batch, chunk, td, custom, tmp, say, decode_batch))
         settings["graphs"] = files
         tok_src = Path(tokenizer_dir) if tokenizer_dir is not None else _tokenizer_source(model, src)
         if tok_src is not None:
@@ -468,13 +474,14 @@ def _io(model) -> dict[str, list[str]]:
     return {"inputs": [i.name for i in model.graph.input], "outputs": [o.name for o in model.graph.output]}
 
 
-def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: Path, say) -> dict[str, Any]:
+def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: Path, say,
+                   decode_batch: int | None = None) -> dict[str, Any]:
     shapes = graphs.layer_shapes(dec, budgets, window)
     L = len(shapes)
     wq = press is not None
     kv, new = graphs.kv_names(L), graphs.new_names(L, wq)
     cache = kv_examples(shapes, batch, td)
-    n_graphs = 4 if wq else 2
+    n_graphs = (4 if wq else 2) + (decode_batch is not None)
     files: dict[str, Any] = {}
 
     weights = SharedWeights(tmp)
@@ -502,6 +509,11 @@ def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: P
         export("compact", graphs.Compact(dec, press, budgets, window),
                (fill, one, *cache, *query_examples(shapes, batch, window, td)),
                ["fill", "query_start"] + kv + graphs.query_names(L), graphs.kv_names(L, "kept_"), 4)
+    if decode_batch is not None:
+        N = int(decode_batch)
+        export("decode_batch", graphs.DecodeStep(dec, press, budgets, window),
+               (torch.zeros(N, 1, dtype=torch.long), torch.full((N, 1), chunk, dtype=torch.long),
+                *kv_examples(shapes, N, td)), ["input_ids", "positions"] + kv, ["logits"] + new, n_graphs)
     files["layers"] = [dataclasses.asdict(s) for s in shapes]
     return files
 

@@ -209,9 +209,14 @@ class OrtGenerator:
 
     def _bind(self, io, name: str, arr, output: bool) -> None:
         if isinstance(arr, np.ndarray):
-            ov = self._ovs.get(id(arr))
-            if ov is None or ov[0] is not arr:
-                ov = self._ovs[id(arr)] = (arr, self._ort.OrtValue.ortvalue_from_numpy(arr))
+            if arr.base is not None:  # a view (e.g. one row of a batch of slots): wrapped for this call only
+                ov = (arr, self._ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr)))
+                if ov[1].data_ptr() != arr.ctypes.data:
+                    raise BadUsage(f"{name}: a buffer view must be contiguous to be bound in place")
+            else:  # a buffer this runtime owns: its OrtValue is made once
+                ov = self._ovs.get(id(arr))
+                if ov is None or ov[0] is not arr:
+                    ov = self._ovs[id(arr)] = (arr, self._ort.OrtValue.ortvalue_from_numpy(arr))
             (io.bind_ortvalue_output if output else io.bind_ortvalue_input)(name, ov[1])
         else:  # a torch tensor on the session's device
             bind = io.bind_output if output else io.bind_input
