@@ -3,8 +3,8 @@
 
 1. **Parity** with kvexport's PyTorch library path as a user calls it: :func:`kvexport.generation.generate`
    with the export's press, budget, window and chunk, on the *unpadded* prompts (the graphs see padded static
-   chunks; the library never pads). The reference runs greedily first; the export and the reference are then
-   driven with those tokens (teacher forcing), so every step's logits compare even after a disagreement. Per
+   chunks; the library never pads). The export decodes greedily; the reference is then driven with those
+   tokens (teacher forcing), so every step's logits compare even after a disagreement. Per
    step: largest absolute logit error and normwise relative error ``max|a - b| / max|b|``; greedy-token
    agreement = fraction of steps whose argmaxes are equal; index agreement = fraction of
    (compaction, layer, row, head) whose kept positions are the same set. Where the reference's own scores call
@@ -92,15 +92,23 @@ def _make_runner(name: str, batch: int, produce):
     return _Runner()
 
 
-def _generator_runner(generator, name: str, batch: int):
-    """A Polygraphy runner around any step generator (OrtGenerator, TrtGenerator): teacher-forced generation."""
+def _generator_runner(generator, name: str, batch: int, known: dict | None = None):
+    """A Polygraphy runner around any step generator (OrtGenerator, TrtGenerator): teacher-forced generation.
+    known: results already computed, by the bytes of (input_ids, attention_mask, forced tokens): a greedy run
+    forced with its own tokens is the same run, so it is reused instead of recomputed."""
+    known = known if known is not None else {}
 
     def produce(feed_dict):
         f = feed_dict["forced_tokens"]
-        return generator.generate(feed_dict["input_ids"], feed_dict["attention_mask"], f.shape[1],
-                                  forced_tokens=f, keep_logits=True)
+        hit = known.get(_key(feed_dict["input_ids"], feed_dict["attention_mask"], f))
+        return hit or generator.generate(feed_dict["input_ids"], feed_dict["attention_mask"], f.shape[1],
+                                         forced_tokens=f, keep_logits=True)
 
     return _make_runner(name, batch, produce)
+
+
+def _key(*arrays) -> bytes:
+    return b"|".join(np.ascontiguousarray(x, dtype=np.int64).tobytes() for x in arrays)
 
 
 def reference_kwargs(settings: dict, press) -> dict:
@@ -133,12 +141,12 @@ def reference_generate(decoder, settings: dict, press, ids, mask, n_new: int, fo
 
 
 def make_runners(decoder, press, settings: dict, generator, batch: int, name: str = "onnxruntime",
-                 rtol_ties: float = 1e-5):
+                 rtol_ties: float = 1e-5, known: dict | None = None):
     """(candidate runner, PyTorch reference runner) as Polygraphy runners; run the candidate first: the reference
     follows its choices at ties (:class:`~kvexport.export.ties.TieReferee`) and keeps the referee as ``.referee``."""
     from kvexport.export.ties import TieReferee
 
-    cand = _generator_runner(generator, name, batch)
+    cand = _generator_runner(generator, name, batch, known)
 
     def reference(feed_dict):
         seen = cand.last
@@ -366,7 +374,8 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     B = int(s["batch"])
     tie_rtol = TIE_RTOL.get(s["dtype"], 1e-5)
     cand_name = getattr(gen, "backend", "onnxruntime")
-    cand_runner, ref_runner = make_runners(decoder, press, s, gen, B, cand_name, tie_rtol)
+    known: dict = {}
+    cand_runner, ref_runner = make_runners(decoder, press, s, gen, B, cand_name, tie_rtol, known)
     runners = [cand_runner, ref_runner]
     names = {f"pytorch~{cand_name}": (1, 0)}
     if trt_generator is not None:
@@ -381,8 +390,11 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     try:
         for k, (ids, mask) in enumerate(batches):
             say(f"parity: prompt {k + 1}/{len(batches)} ({int(mask.sum(-1).max())} tokens)")
-            free = reference_generate(decoder, s, press, ids, mask, int(steps) + 1)
-            feed = OrderedDict(input_ids=ids, attention_mask=mask, forced_tokens=_np(free.tokens).astype(np.int64))
+            # the export decodes greedily; the reference is then fed the same tokens, step by step
+            free = gen.generate(ids, mask, int(steps) + 1, keep_logits=True)
+            forced = np.asarray(free.tokens, np.int64)
+            known[_key(ids, mask, forced)] = free
+            feed = OrderedDict(input_ids=ids, attention_mask=mask, forced_tokens=forced)
             results = Comparator.run(runners, data_loader=[feed])
             func = SimpleCompareFunc(atol=atol, rtol=rtol)
             for n, (i, j) in names.items():
