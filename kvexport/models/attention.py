@@ -17,7 +17,10 @@ from kvexport.models.spec import ModelSpec
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm as Llama computes it: in fp32, weight applied in the input dtype."""
+    """RMSNorm as Llama computes it: in fp32, weight applied in the input dtype.
+
+    Written ``x / sqrt(mean(x^2) + eps)`` (HF multiplies by ``rsqrt``: the same to one rounding step) because that
+    is the form onnxruntime fuses into one SimplifiedLayerNormalization kernel, and TensorRT into its norm layer."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -27,7 +30,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         xf = x.to(torch.float32)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        xf = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
 
 
@@ -69,10 +72,35 @@ def grouped_attention(
     logits = torch.matmul(qg, k.transpose(-1, -2)).reshape(B, Hc, G, T, S) * scaling
     logits = logits.float()
     mask = visibility_mask(q_pos, k_pos, sliding_window)
-    logits = logits.masked_fill(~mask, torch.finfo(torch.float32).min)
+    logits = torch.where(mask, logits, torch.finfo(torch.float32).min)
     probs = torch.softmax(logits, dim=-1).to(v.dtype)  # (B, Hc, G, T, S)
     out = torch.matmul(probs.reshape(B, Hc, G * T, S), v).reshape(B, Hq, T, v.shape[-1])
     return out, (probs.reshape(B, Hq, T, S) if return_probs else None)
+
+
+#: above this many bytes of cached keys + values per layer, attention reads the cache and the new tokens as two
+#: parts instead of concatenating them: a concatenation copies the cache (about 2 us per 32 KiB on a CPU), the
+#: two-part merge costs a fixed ~20 small ops more (about 50 us on onnxruntime's CPU kernels)
+CONCAT_LIMIT_BYTES = 512 << 10
+
+
+def attention(q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos, scaling: float,
+              sliding_window: int | None = None) -> torch.Tensor:
+    """Attention of q (B, Hq, T, Dk) over the past (B, Hc, S, .) and this step's tokens (B, Hc, T, .).
+
+    Small caches are concatenated with the new tokens (one softmax, :func:`grouped_attention`); large ones are
+    read as two parts (:func:`attention_over_parts`, no copy of the cache). The rule depends on shapes only
+    (:data:`CONCAT_LIMIT_BYTES`), so an exported graph carries one of the two, and both are the same softmax.
+    """
+    if k_past.shape[2] == 0:
+        return attention_over_parts(q, [(k_new, v_new, pos_new)], q_pos, scaling, sliding_window)
+    cached = k_past[0].numel() * k_past.element_size() + v_past[0].numel() * v_past.element_size()
+    if cached * k_past.shape[0] > CONCAT_LIMIT_BYTES:
+        return attention_over_parts(q, [(k_past, v_past, pos_past), (k_new, v_new, pos_new)], q_pos, scaling,
+                                    sliding_window)
+    out, _ = grouped_attention(q, torch.cat([k_past, k_new], dim=2), torch.cat([v_past, v_new], dim=2), q_pos,
+                               torch.cat([pos_past, pos_new], dim=2), scaling, sliding_window=sliding_window)
+    return out
 
 
 def attention_over_parts(q, parts, q_pos, scaling: float, sliding_window: int | None = None) -> torch.Tensor:
@@ -92,7 +120,7 @@ def attention_over_parts(q, parts, q_pos, scaling: float, sliding_window: int | 
     logits = []
     for k, _, k_pos in parts:
         lg = (torch.matmul(qg, k.transpose(-1, -2)).reshape(B, Hc, G, T, k.shape[2]) * scaling).float()
-        logits.append(lg.masked_fill(~visibility_mask(q_pos, k_pos, sliding_window), fmin))
+        logits.append(torch.where(visibility_mask(q_pos, k_pos, sliding_window), lg, fmin))
     m = torch.stack([lg.amax(-1) for lg in logits]).amax(0)[..., None]  # (B, Hc, G, T, 1)
     num = den = None
     for lg, (_, v, _) in zip(logits, parts, strict=True):
@@ -159,8 +187,7 @@ class GQAAttention(nn.Module):
         q_pre, k_new, v_new = self.project(h, positions)
         q = self.rotary.apply(q_pre, positions)
         new_pos = positions[:, None, :].expand(B, self.num_kv_heads, T)
-        parts = [(k_new, v_new, new_pos)] if past_k.shape[2] == 0 else [(past_k, past_v, past_pos),
-                                                                         (k_new, v_new, new_pos)]
-        out = attention_over_parts(q, parts, positions, self.scaling, self.sliding_window)
+        out = attention(q, past_k, past_v, past_pos, k_new, v_new, new_pos, positions, self.scaling,
+                        self.sliding_window)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         return self.o_proj(out), k_new, v_new, q_pre
