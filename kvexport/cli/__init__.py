@@ -37,6 +37,7 @@ from kvexport.cli import (  # noqa: E402,F401
     export_cmds,
     generate_cmd,
     mla_cmds,
+    serve_cmd,
     trt_cmds,
 )
 

@@ -1,0 +1,224 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The HTTP API (Starlette): OpenAI's completions and chat completions, models, health and metrics.
+
+``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as server-sent events ``data: {...}\\n\\n`` ending
+with ``data: [DONE]``, or one JSON body), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+Every error is OpenAI's JSON error object with its 4xx/5xx status. A client that goes away cancels its sequences:
+a stream when its connection closes, a non-streamed request as soon as the server sees the disconnect, so the slot
+is free for the next sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvexport.serve import metrics as metrics_mod
+from kvexport.serve.engine import Engine, Event, Sequence
+from kvexport.serve.errors import APIError, bad_request
+from kvexport.serve.model import ServedModel
+from kvexport.serve.openai_api import Reply, chat_prompt, completion_prompts, sequences
+from kvexport.serve.schemas import ChatRequest, CompletionRequest, parse
+
+
+def build_app(model: ServedModel, engine: Engine) -> Starlette:
+    """The ASGI app serving ``model`` through ``engine`` (started and stopped with the app's lifespan)."""
+    created = int(time.time())
+    card = {"id": model.name, "object": "model", "created": created, "owned_by": "kvexport"}
+
+    @asynccontextmanager
+    async def lifespan(app):
+        loop = asyncio.get_running_loop()
+        engine.publish = lambda events: loop.call_soon_threadsafe(_dispatch, events)
+        if not engine.alive:
+            engine.start()
+        yield
+        engine.stop()
+
+    async def health(request: Request) -> Response:
+        state = "draining" if app.state.draining else ("ok" if engine.alive else "engine stopped")
+        return JSONResponse({"status": state, "model": model.name, **engine.counts()},
+                            status_code=200 if state == "ok" else 503)
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def one_model(request: Request) -> Response:
+        if request.path_params["model"] != model.name:
+            raise _unknown_model(request.path_params["model"])
+        return JSONResponse(card)
+
+    async def metrics(request: Request) -> Response:
+        import psutil
+
+        gauges = {**engine.counts(), "rss": psutil.Process().memory_info().rss}
+        text = metrics_mod.render(engine.metrics, gauges, model.backend.resident_bytes())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def completions(request: Request) -> Response:
+        return await _generate(request, chat=False)
+
+    async def chat(request: Request) -> Response:
+        return await _generate(request, chat=True)
+
+    async def _generate(request: Request, chat: bool) -> Response:
+        if app.state.draining or not engine.alive:
+            raise APIError(503, "The server is shutting down; retry on another instance.", "server_overloaded")
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise bad_request("We could not parse the JSON body of your request. (HINT: This likely means you "
+                              "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload.)",
+                              None, "invalid_json") from None
+        req = parse(ChatRequest if chat else CompletionRequest, body)
+        if req.model != model.name:
+            raise _unknown_model(req.model)
+        prompts = [chat_prompt(req, model)] if chat else completion_prompts(req, model)
+        seqs = sequences(req, prompts, model, chat)
+        reply = Reply(model.name, chat, req.return_token_ids)
+        queue: asyncio.Queue = asyncio.Queue()
+        for i, s in enumerate(seqs):
+            s.sink = lambda ev, i=i: queue.put_nowait((i, ev))
+        for k, s in enumerate(seqs):
+            if not engine.submit(s):
+                for t in seqs[:k]:
+                    engine.cancel(t)
+                raise APIError(503, "The server is overloaded (its queue is full); retry later.", "server_overloaded")
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_stream(engine, reply, seqs, queue, usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await _collect(request, engine, reply, seqs, queue)
+
+    async def on_api_error(request: Request, exc: APIError) -> Response:
+        if exc.status < 500:
+            engine.metrics.count("rejected")
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def on_http_error(request: Request, exc: HTTPException) -> Response:
+        return await on_api_error(request, APIError(exc.status_code, f"{request.method} {request.url.path}: "
+                                                    f"{exc.detail}", "invalid_request_error"))
+
+    async def on_error(request: Request, exc: Exception) -> Response:
+        return JSONResponse(APIError(500, f"internal error: {exc.__class__.__name__}: {exc}", "server_error").body(),
+                            status_code=500)
+
+    app = Starlette(routes=[Route("/health", health), Route("/v1/models", models),
+                            Route("/v1/models/{model:path}", one_model), Route("/metrics", metrics),
+                            Route("/v1/completions", completions, methods=["POST"]),
+                            Route("/v1/chat/completions", chat, methods=["POST"])],
+                    exception_handlers={APIError: on_api_error, HTTPException: on_http_error, Exception: on_error},
+                    lifespan=lifespan)
+    app.state.draining = False
+    return app
+
+
+def _unknown_model(name: str) -> APIError:
+    return APIError(404, f"The model '{name}' does not exist or you do not have access to it.",
+                    "invalid_request_error", "model", "model_not_found")
+
+
+def _dispatch(events: list[tuple[Sequence, Event]]) -> None:
+    """On the event loop: each sequence's events to its request."""
+    for s, ev in events:
+        if s.sink is not None:
+            s.sink(ev)
+
+
+def _failure(ev: Event) -> APIError | None:
+    """The error a sequence's last event stands for (None: it finished normally)."""
+    if ev.finish == "error":
+        return APIError(500, f"generation failed: {ev.error}", "server_error")
+    if ev.finish == "cancelled":
+        return APIError(503, "the server stopped before the completion finished", "server_overloaded")
+    return None
+
+
+async def _collect(request: Request, engine: Engine, reply: Reply, seqs: list[Sequence],
+                   queue: asyncio.Queue) -> Response:
+    """Wait for every sequence of a non-streamed request (or the client's disconnect, which cancels them)."""
+    texts = [""] * len(seqs)
+
+    async def results() -> APIError | None:
+        left = len(seqs)
+        while left:
+            i, ev = await queue.get()
+            texts[i] += ev.text
+            if ev.finish is not None:
+                left -= 1
+                if _failure(ev) is not None:
+                    return _failure(ev)
+        return None
+
+    done, gone = asyncio.ensure_future(results()), asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not done.done():  # the client left (or the server cancelled this request): free the slots
+            done.cancel()
+            for s in seqs:
+                engine.cancel(s)
+        gone.cancel()
+    if done.cancelled():
+        return Response(status_code=499)
+    err = done.result()
+    if err is not None:
+        raise err
+    return JSONResponse(reply.full(seqs, texts))
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _stream(engine: Engine, reply: Reply, seqs: list[Sequence], queue: asyncio.Queue, usage: bool):
+    """Server-sent events: a chunk per choice and wake-up (the pieces that arrived together are merged), then
+    ``[DONE]``. Leaving early (the client disconnected) cancels the sequences still running."""
+    try:
+        if reply.chat:
+            for i in range(len(seqs)):
+                yield _sse(reply.chunk(i, None, None, role=True))
+        left = len(seqs)
+        while left:
+            got = [await queue.get()]
+            while not queue.empty():
+                got.append(queue.get_nowait())
+            merged: dict[int, list] = {}
+            for i, ev in got:
+                m = merged.setdefault(i, ["", [], None, None])
+                m[0] += ev.text
+                if ev.token is not None:
+                    m[1].append(ev.token)
+                if ev.finish is not None:
+                    m[2], m[3] = ev.finish, _failure(ev)
+            for i, (text, tokens, finish, err) in merged.items():
+                if err is not None:
+                    yield _sse(err.body())
+                    left -= 1
+                    continue
+                if text or finish or tokens:
+                    yield _sse(reply.chunk(i, text, finish, tokens))
+                left -= finish is not None
+        if usage:
+            yield _sse(reply.usage_chunk(seqs))
+        yield "data: [DONE]\n\n"
+    finally:
+        for s in seqs:
+            if s.state != "done":
+                engine.cancel(s)
+
+
+__all__ = ["build_app"]

@@ -1,0 +1,64 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the scheduler asks of a backend: ``n_slots`` fixed cache slots, each holding one sequence.
+
+A slot is started with a prompt (:meth:`SlotBackend.start`), fed one prefill chunk per call
+(:meth:`SlotBackend.prefill_step`), then decoded together with the other decoding slots (:meth:`SlotBackend.decode`)
+and released. Where each token goes inside a slot is decided by that slot's
+:class:`~kvexport.cache.plan.CacheState`; backends only run the graphs (or the PyTorch decoder) on it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import numpy as np
+
+
+class SlotBackend(ABC):
+    """``n_slots`` sequences at once, each in a cache of fixed size.
+
+    ``limit``: the most positions a sequence may use (prompt + completion); ``evicting``: a press keeps the
+    cache at its budget (else the cache is full-size and ``limit`` is its capacity). ``on_compaction(slot,
+    where)`` is called after each compaction of a slot (``"prefill:<chunk>"`` / ``"decode:<step>"``)."""
+
+    name = "?"
+    n_slots: int
+    limit: int
+    vocab_size: int
+    settings: dict
+    on_compaction: Callable[[int, str], None] | None = None
+
+    @abstractmethod
+    def start(self, slot: int, prompt: list[int]) -> int:
+        """Empty ``slot`` and queue ``prompt`` (token ids) for prefill; returns the number of chunks."""
+
+    @abstractmethod
+    def prefill_step(self, slot: int) -> np.ndarray | None:
+        """Feed the slot's next prefill chunk; returns the logits (V,) of the prompt's last token after the last
+        chunk, else None."""
+
+    @abstractmethod
+    def decode(self, slots: list[int], tokens: list[int]) -> np.ndarray:
+        """One decode step for each of ``slots`` (token ``tokens[j]`` at that slot's next position); returns their
+        logits (len(slots), V)."""
+
+    @abstractmethod
+    def release(self, slot: int) -> None:
+        """The slot's sequence is done (its buffers stay allocated for the next one)."""
+
+    @abstractmethod
+    def kept_positions(self, slot: int) -> list[np.ndarray]:
+        """Per layer: the positions (1, Hc, cap) the slot's cache holds now, -1 = empty (copies)."""
+
+    @abstractmethod
+    def resident_bytes(self) -> dict:
+        """``{"per_slot": {kind: bytes}, "slots": n, "shared": {kind: bytes}, "total": bytes}`` from the
+        backend's own allocations."""
+
+    def close(self) -> None:
+        """Free what the backend holds (sessions, engines); nothing by default."""
+        return None
+
+
+__all__ = ["SlotBackend"]

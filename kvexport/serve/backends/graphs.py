@@ -1,0 +1,256 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Cache slots over an export's graphs (onnxruntime, or TensorRT engines): in-flight batching on static caches.
+
+The export is made with ``batch=1, decode_batch=N`` (``kvexport export --batch 1 --decode-batch N``). Every cache
+buffer is allocated once for all N slots as one (N, ...) array; slot r is the contiguous row view ``arr[r:r+1]``
+and has its own :class:`~kvexport.cache.plan.CacheState`. A slot's prefill chunks and compactions run the batch-1
+graphs (``prefill``, ``compact_prefill``, ``compact``) on its row views; all decoding slots step together through
+``decode_batch.onnx`` (each row at its own position; the graph only reads the caches, and the host writes each
+row's new keys/values/queries where that row's plan says). Rows not decoding get token 0 at position 0 and their
+outputs are ignored, so nothing is written into them. An export without ``decode_batch`` decodes slot by slot
+with the batch-1 ``decode`` graph on the row views.
+
+The host steps are :meth:`OrtGenerator.prefill` / :meth:`OrtGenerator.decode`'s, per slot, through the
+generator's own hooks (``_call``, ``_write_rows``, ``_write_kept``, ``_cache_inputs``), which write through
+``self.cache``: :meth:`_Slots.select` points it at one slot's row views.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from kvexport.cache.plan import positions_from_mask
+from kvexport.errors import BadArtifact, BadUsage
+from kvexport.export.runtime import OrtGenerator, _kind, _nbytes, _to_numpy
+from kvexport.serve.backends.base import SlotBackend
+
+PER_SLOT = ("kv", "positions", "queries", "query_positions")
+
+
+class _Slots:
+    """Mixed into a step runner (OrtGenerator, TrtGenerator): its buffers become ``rows`` slots of batch 1.
+
+    ``bank``: name -> (rows, ...) cache buffer; ``views[r]``: name -> the row view of slot r; ``states[r]``: its
+    plan; ``rows_out``: the decode step's outputs for all rows (``logits`` (rows, V), ``k_new_i`` ...);
+    ``chunk_rows``: one prefill chunk's new rows (batch 1; one chunk runs at a time)."""
+
+    def __init__(self, *args, slots: int, use_decode_batch: bool = True, **kw):
+        self._want_slots = int(slots)
+        self._use_decode_batch = use_decode_batch
+        super().__init__(*args, **kw)
+
+    def _alloc(self) -> None:  # called by the runner's __init__ instead of its batch-B allocation
+        from kvexport.cache.plan import CacheState
+
+        s = self.settings
+        if int(s["batch"]) != 1:
+            raise BadArtifact(f"{self.path} was exported with --batch {s['batch']}; serving needs --batch 1 "
+                              "(and --decode-batch N for batched decoding)")
+        self._init_cache_layout()
+        n_graph = s.get("decode_batch")
+        self.batched = bool(self._use_decode_batch and n_graph and "decode_batch" in s["graphs"])
+        self.rows = int(n_graph) if self.batched else self._want_slots
+        self._ovs, self._persistent = {}, {}
+        self.bank = {n: self._array((self.rows, *shape[1:]), dt, -1 if _kind(n) in ("positions", "query_positions")
+                                    else 0) for n, (shape, dt) in self.shapes.items()}
+        self.rows_out = {n: self._array((self.rows, *shape[1:]), dt) for n, (shape, dt) in self.step_shapes.items()}
+        self.rows_out["logits"] = self._array((self.rows, int(s["vocab_size"])), self.dtype)
+        C = int(s["chunk"])
+        self.chunk_rows = {n: self._array((*shape[:2], C, shape[3]), dt) for n, (shape, dt) in self.step_shapes.items()}
+        self.views = [{n: a[r:r + 1] for n, a in self.bank.items()} for r in range(self.rows)]
+        self.states = [CacheState(self.plan) for _ in range(self.rows)]
+        self.staging = {}
+        self.select(0)
+
+    def select(self, r: int) -> None:
+        """Point the runner's host writes (``self.cache``, ``self.state``) at slot ``r``."""
+        self.cache, self.state = self.views[r], self.states[r]
+        self.logits = self.rows_out["logits"][r:r + 1]
+
+    def reset(self) -> None:
+        for r in range(self.rows):
+            self.select(r)
+            self._reset_buffers()
+            self.state.reset()
+        self.select(0)
+        self.compactions, self.step, self.last_logits = 0, 0, None
+
+
+class _OrtSlots(_Slots, OrtGenerator):
+    backend = "onnxruntime"
+
+
+def _trt_slots():
+    from kvexport.tensorrt.generator import TrtGenerator
+
+    class _TrtSlots(_Slots, TrtGenerator):
+        backend = "tensorrt"
+
+    return _TrtSlots
+
+
+class GraphSlots(SlotBackend):
+    """:class:`SlotBackend` over an export directory.
+
+    ``backend``: onnxruntime or tensorrt (``engines``: the TensorRT engine folder); ``max_sequences``: slots to
+    admit (default: the export's ``decode_batch``, else 4; at most ``decode_batch`` when batching);
+    ``use_decode_batch=False`` decodes slot by slot even when the export has the batched graph; ``runtime_kw``: more
+    arguments of the step runner (e.g. TrtGenerator's ``runner_factory``)."""
+
+    def __init__(self, export_dir, backend: str = "onnxruntime", max_sequences: int | None = None,
+                 threads: int | None = None, engines=None, use_decode_batch: bool = True,
+                 runtime_kw: dict | None = None):
+        from kvexport.export.manifest import ONNX_EXPORT, verify_manifest
+
+        if backend == "tensorrt":
+            rt = _trt_slots()(export_dir, engines=engines, slots=max_sequences or 4, use_decode_batch=use_decode_batch,
+                              **(runtime_kw or {}))
+        else:
+            s = verify_manifest(export_dir, ONNX_EXPORT)["settings"]
+            if s["mode"] != "static":
+                raise BadArtifact(f"{export_dir} is a growing-past (--dynamic-cache) export: its memory grows with "
+                                  "each sequence; serve a static-cache export (--press P --budget B, or --press none)")
+            rt = _OrtSlots(export_dir, threads=threads, slots=max_sequences or s.get("decode_batch") or 4,
+                           use_decode_batch=use_decode_batch, **(runtime_kw or {}))
+        self.rt, self.name, self.settings = rt, backend, rt.settings
+        if rt.batched and max_sequences is not None and int(max_sequences) > rt.rows:
+            raise BadUsage(f"--max-sequences {max_sequences} exceeds the export's decode batch ({rt.rows}); "
+                           f"re-export with --decode-batch {max_sequences} or serve at most {rt.rows}")
+        if max_sequences is not None and int(max_sequences) < 1:
+            raise BadUsage(f"--max-sequences {max_sequences} must be >= 1")
+        self.n_slots = int(max_sequences or rt.rows)
+        self.vocab_size = int(self.settings["vocab_size"])
+        self.evicting = rt.press is not None
+        self.limit = int(self.settings["max_positions"]) if self.evicting else min(rt.plan.capacities)
+        self._chunks: list[deque] = [deque() for _ in range(rt.rows)]
+        self._prompt: list[tuple[np.ndarray, np.ndarray] | None] = [None] * rt.rows
+        self._next = np.zeros(rt.rows, np.int64)  # position of each slot's next token (plan rule 1)
+        self._steps = [0] * rt.rows
+
+    # ------------------------------------------------------------------ prefill
+    def start(self, slot: int, prompt: list[int]) -> int:
+        rt = self.rt
+        rt.select(slot)
+        rt._reset_buffers()
+        rt.state.reset()
+        ids = np.asarray(prompt, np.int64)[None]  # (1, n)
+        rt.plan.check_fits(ids.shape[1])
+        pos = positions_from_mask(np.ones_like(ids))
+        self._prompt[slot] = (ids, pos)
+        self._chunks[slot] = deque(enumerate(rt.plan.chunks(ids.shape[1])))
+        self._next[slot] = int(pos.max()) + 1
+        self._steps[slot] = 0
+        return len(self._chunks[slot])
+
+    def prefill_step(self, slot: int) -> np.ndarray | None:
+        rt = self.rt
+        rt.select(slot)
+        ids, pos = self._prompt[slot]
+        index, chunk = self._chunks[slot].popleft()
+        step = rt.state.prefill(chunk.n_real)
+        pad = chunk.pad
+        c_ids = np.concatenate([np.zeros((1, pad), np.int64), ids[:, chunk.start:chunk.stop]], axis=1)
+        c_pos = np.concatenate([np.full((1, pad), -1, np.int64), pos[:, chunk.start:chunk.stop]], axis=1)
+        rows = rt._call("prefill", rt._feeds("prefill", input_ids=c_ids, positions=c_pos),
+                        rt._cache_inputs("prefill"), {**rt.chunk_rows, "logits": rt.logits})
+        if step.any_compaction:
+            kept = rt._call("compact_prefill", rt._feeds("compact_prefill", fill=np.array(step.fills, np.int64),
+                                                         n_pad=np.array([pad], np.int64), positions=c_pos),
+                            rt._cache_inputs("compact_prefill", rows), {})
+            rt._write_kept(kept)
+            self._compacted(slot, f"prefill:{index}")
+        else:
+            for i, f in enumerate(step.fills):
+                rt._write_rows(rows, i, f, c_pos, first=pad)
+        if self._chunks[slot]:
+            return None
+        self._prompt[slot] = None
+        return _to_numpy(rt.logits)[0].copy()
+
+    # ------------------------------------------------------------------ decode
+    def decode(self, slots: list[int], tokens: list[int]) -> np.ndarray:
+        rt = self.rt
+        steps = {}
+        for r in slots:  # the plan first: a full press-free cache refuses before any graph runs
+            rt.select(r)
+            steps[r] = rt.state.decode()
+        if rt.batched:
+            ids = np.zeros((rt.rows, 1), np.int64)  # rows not decoding: token 0 at position 0, outputs ignored
+            pos = np.zeros((rt.rows, 1), np.int64)
+            ids[slots, 0] = tokens
+            pos[slots, 0] = self._next[slots]
+            arrays = {n: rt.bank[n] for n in rt._io_plan("decode_batch")[0]}
+            rt._call("decode_batch", rt._feeds("decode_batch", input_ids=ids, positions=pos), arrays, rt.rows_out,
+                     persistent=True)
+            logits = _to_numpy(rt.rows_out["logits"])[slots].copy()
+            for r in slots:
+                self._write_step(r, steps[r], {n: a[r:r + 1] for n, a in rt.rows_out.items()})
+            return logits
+        out = np.empty((len(slots), self.vocab_size), np.float32)
+        for j, (r, tok) in enumerate(zip(slots, tokens, strict=True)):
+            rt.select(r)
+            rows = {n: a[r:r + 1] for n, a in rt.rows_out.items()}
+            rt._call("decode", rt._feeds("decode", input_ids=np.array([[tok]], np.int64),
+                                         positions=self._next[r:r + 1, None].copy()), rt._cache_inputs("decode"), rows)
+            out[j] = _to_numpy(rows["logits"])[0]
+            self._write_step(r, steps[r], rows)
+        return out
+
+    def _write_step(self, r: int, step, rows: dict) -> None:
+        """Slot r's new rows where its DecodeStep says, its query into the ring, then its compaction if due."""
+        rt = self.rt
+        rt.select(r)
+        pos = self._next[r:r + 1, None].copy()  # (1, 1)
+        for i, slot in enumerate(step.slots):
+            rt._write_rows(rows, i, slot, pos)
+        if rt.press is not None:
+            q = step.query_slot
+            for i in range(len(rt.layers)):
+                rt.cache[f"qbuf_{i}"][:, :, q:q + 1] = rows[f"q_new_{i}"]
+            rt.cache["qpos"][:, q:q + 1] = rt._host(pos)
+        if step.compact:
+            start = rt.state.query_start
+            fills = rt.state.compact()
+            kept = rt._call("compact", rt._feeds("compact", fill=np.array(fills, np.int64),
+                                                 query_start=np.array([start], np.int64)),
+                            rt._cache_inputs("compact"), {})
+            rt._write_kept(kept)
+            self._compacted(r, f"decode:{self._steps[r]}")
+        self._steps[r] += 1
+        self._next[r] += 1
+
+    def _compacted(self, slot: int, where: str) -> None:
+        if self.on_compaction is not None:
+            self.on_compaction(slot, where)
+
+    # ------------------------------------------------------------------ accounting
+    def release(self, slot: int) -> None:
+        self._prompt[slot] = None
+        self._chunks[slot].clear()
+
+    def kept_positions(self, slot: int) -> list[np.ndarray]:
+        return [_to_numpy(self.rt.views[slot][f"pos_{i}"]).copy() for i in range(len(self.rt.layers))]
+
+    def resident_bytes(self) -> dict:
+        """Per slot (one row of every cache buffer) and shared (the decode step's rows and logits for all rows,
+        one prefill chunk's rows), read from the allocated buffers."""
+        rt = self.rt
+        per = dict.fromkeys(PER_SLOT, 0)
+        for n, a in rt.views[0].items():
+            per[_kind(n)] += _nbytes(a)
+        per["total"] = sum(per.values())
+        shared = {"step_outputs": sum(_nbytes(a) for n, a in rt.rows_out.items() if n != "logits"),
+                  "logits": _nbytes(rt.rows_out["logits"]), "staging": sum(_nbytes(a) for a in rt.chunk_rows.values())}
+        shared["total"] = sum(shared.values())
+        total = sum(_nbytes(a) for a in rt.bank.values()) + shared["total"]
+        return {"per_slot": per, "slots": rt.rows, "shared": shared, "total": total}
+
+    def close(self) -> None:
+        close = getattr(self.rt, "close", None)
+        if close is not None:
+            close()
+
+
+__all__ = ["GraphSlots"]

@@ -1,0 +1,102 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One export of the bundled student for the serve tests, shared by the xdist workers of a run (a file lock: the
+first worker exports, the others wait for it), and a copy of it whose tokenizer has a chat template.
+
+The export is small enough for compactions to happen in short runs: SnapKV budget 32 + window 8, prefill chunks
+of 16, ``decode_batch`` 4 (four slots decoded in one graph call), positions limited to 512.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from filelock import FileLock
+
+from kvexport.paths import MODELS_DIR
+
+STUDENT = MODELS_DIR / "kvx-student"
+BUDGET, WINDOW, CHUNK, SLOTS, MAX_POSITIONS = 32, 8, 16, 4, 512
+CHAT_TEMPLATE = ("{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def _shared_root(tmp_path_factory) -> Path:
+    """A folder all workers of this run see (xdist: the run's base temp; alone: this session's own)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _make_exports(root: Path) -> dict[str, Path]:
+    from kvexport.export import export_model
+    from kvexport.export.manifest import ONNX_EXPORT, read_manifest, write_manifest
+    from kvexport.presses import make_press
+
+    plain, chat = root / "kvx-student", root / "kvx-student-chat"
+    if not (chat / "manifest.json").is_file():
+        shutil.rmtree(plain, ignore_errors=True)
+        shutil.rmtree(chat, ignore_errors=True)
+        export_model(str(STUDENT), plain, press=make_press("snapkv", budget=BUDGET, window_size=WINDOW),
+                     window=WINDOW, chunk=CHUNK, batch=1, decode_batch=SLOTS, max_positions=MAX_POSITIONS)
+        # the same export with a tokenizer that has a chat template (the bundled one has none)
+        shutil.copytree(plain, chat)
+        cfg = chat / "tokenizer" / "tokenizer_config.json"
+        cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "chat_template": CHAT_TEMPLATE}, indent=2))
+        doc = read_manifest(plain)
+        write_manifest(chat, ONNX_EXPORT, doc["settings"], doc["model_hash"], tuple(doc["reports"]))
+    return {"plain": plain, "chat": chat}
+
+
+@pytest.fixture(scope="session")
+def exports(tmp_path_factory) -> dict[str, Path]:
+    root = _shared_root(tmp_path_factory) / "serve-exports"
+    root.mkdir(exist_ok=True)
+    with FileLock(str(root) + ".lock"):
+        return _make_exports(root)
+
+
+@pytest.fixture(scope="session")
+def export_dir(exports) -> Path:
+    return exports["plain"]
+
+
+@pytest.fixture(scope="session")
+def chat_dir(exports) -> Path:
+    return exports["chat"]
+
+
+@pytest.fixture(scope="session")
+def solo(export_dir):
+    """The independent reference: one OrtGenerator on the same export, one sequence at a time."""
+    from kvexport.export.runtime import OrtGenerator
+
+    return OrtGenerator(export_dir)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(export_dir):
+    from kvexport.models.loading import load_tokenizer
+
+    return load_tokenizer(export_dir / "tokenizer")
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """How ``kvexport generate`` encodes a prompt (kvexport.cli.common.encode_prompts)."""
+    from kvexport.cli.common import encode_prompts
+
+    ids, _ = encode_prompts(tokenizer, [text])
+    return ids[0].tolist()
+
+
+def reference(solo, prompt: list[int], max_tokens: int, eos: int | None = None):
+    """Greedy tokens of a solo run, up to and with the first EOS (as a server returns them)."""
+    import numpy as np
+
+    res = solo.generate(np.array([prompt]), max_new_tokens=max_tokens, eos_token_id=eos, track_kept=True)
+    toks = res.tokens[0].tolist()
+    if eos is not None and eos in toks:
+        toks = toks[:toks.index(eos) + 1]
+    return toks, res
