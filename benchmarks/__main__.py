@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from benchmarks import bandwidth, prepare, quality, report, runner
-from benchmarks.optimum_env import ensure_venv, venv_python, versions
 from benchmarks.rows import CONTEXTS_FULL, CONTEXTS_QUICK, CONTEXTS_TINY, ROWS, SHAPES, prompt_tokens
+from benchmarks.side_venv import VENVS
 
 
 def machine_info() -> dict:
@@ -140,22 +140,26 @@ def main(argv: list[str] | None = None) -> int:
     res["bandwidth"] = bandwidth.copy_bandwidth()
     log(f"memory bandwidth (numpy copy, read+write): {res['bandwidth']['copy_gbps']:.1f} GB/s")
 
-    vpy = None
-    if "optimum" in a.rows and not a.no_optimum:
-        vpy = venv_python()
-        if vpy is None and mode == "full":
+    vpys: dict[str, Path] = {}  # rows timed in their own venv: optimum, ortgenai
+    for kind, venv in VENVS.items():
+        if kind not in a.rows:
+            continue
+        if kind == "optimum" and a.no_optimum:
+            res["notes"].append("Optimum row skipped (--no-optimum)")
+            continue
+        py = venv.python()
+        if py is None and mode == "full":
             try:
-                vpy = ensure_venv(log=log)
-            except Exception as e:  # record and go on without row 2
-                res["notes"].append(f"Optimum venv could not be built: {str(e).splitlines()[0]}")
-        elif vpy is None:
-            res["notes"].append("Optimum row skipped: its venv (~/.cache/kvexport/optimum-venv) is not built yet; "
-                                "a full run builds it (python -m benchmarks.optimum_env)")
-        if vpy is not None:
-            res["machine"]["optimum_venv"] = versions()
-    elif a.no_optimum and "optimum" in a.rows:
-        res["notes"].append("Optimum row skipped (--no-optimum)")
-    rows = [r for r in a.rows if r != "optimum" or vpy is not None]
+                py = venv.ensure(log=log)
+            except Exception as e:  # record and go on without the row
+                res["notes"].append(f"{kind} venv could not be built: {str(e).splitlines()[0]}")
+        elif py is None:
+            res["notes"].append(f"{kind} row skipped: its venv ({venv.root}) is not built yet; a full run builds it "
+                                f"(python -m benchmarks.side_venv {kind})")
+        if py is not None:
+            vpys[kind] = py
+            res["machine"][f"{kind}_venv"] = venv.versions()
+    rows = [r for r in a.rows if r not in VENVS or r in vpys]
     studies = quality.load_studies()
 
     for sname in a.shapes:
@@ -167,14 +171,21 @@ def main(argv: list[str] | None = None) -> int:
         log(f"shape {sname}: {mdir} ({wbytes / 2**20:.1f} MiB of weights)")
         res.setdefault("bandwidth_samples", []).append(bandwidth.copy_bandwidth()["copy_gbps"])
         targets: dict[str, dict] = {}
+        ctxs = [c for c in a.contexts if a.contexts_given or not shape.max_context or c <= shape.max_context]
+        capacity = max(prompt_tokens(shape, c, a.steps) for c in ctxs) + a.steps + 1  # the static full rows' slots
         for rname in rows:
             row = ROWS[rname]
             try:
                 if row.kind == "kvx":
-                    d, secs = prepare.kvx_export(row, shape, cache, log=log, rebuild=a.rebuild)
-                    targets[rname] = {"export_dir": str(d), "weight_bytes": prepare.weight_bytes(d)}
+                    d, secs = prepare.kvx_export(row, shape, cache, log=log, rebuild=a.rebuild, capacity=capacity)
+                    targets[rname] = {"export_dir": str(d), "weight_bytes": prepare.weight_bytes(d),
+                                      "export_bytes": sum(f.stat().st_size for f in Path(d).rglob("*") if f.is_file()),
+                                      "synthesize": bool(shape.extra.get("synthesize")) and row.static_budget}
                 elif row.kind == "optimum":
-                    d, secs = prepare.optimum_export(shape, cache, vpy, log=log, rebuild=a.rebuild)
+                    d, secs = prepare.optimum_export(shape, cache, vpys["optimum"], log=log, rebuild=a.rebuild)
+                    targets[rname] = {"export_dir": str(d), "weight_bytes": wbytes}
+                elif row.kind == "ortgenai":
+                    d, secs = prepare.ortgenai_build(shape, cache, vpys["ortgenai"], log=log, rebuild=a.rebuild)
                     targets[rname] = {"export_dir": str(d), "weight_bytes": wbytes}
                 else:
                     secs = None
@@ -184,29 +195,38 @@ def main(argv: list[str] | None = None) -> int:
                 msg = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
                 log(f"  build of {rname}/{sname} failed: {msg}")
                 res["builds"].append({"shape": sname, "row": rname, "error": msg})
-        ctxs = [c for c in a.contexts if a.contexts_given or not shape.max_context or c <= shape.max_context]
         if len(ctxs) < len(a.contexts):
             res["notes"].append(f"{sname}: contexts above {_k(shape.max_context)} not run by default (prefill is "
                                 "compute-bound on this shape; --contexts runs them)")
         for rname in [] if a.build_only else rows:
             row = ROWS[rname]
-            ns = [prompt_tokens(shape, ctx, a.steps) for ctx in ctxs]
+            full_max = shape.extra.get("full_rows_max_context")
+            row_ctxs = ctxs if row.static_budget or not full_max else [c for c in ctxs if c <= full_max]
+            if len(row_ctxs) < len(ctxs):
+                res["notes"].append(f"{sname}: {rname} runs contexts up to {_k(full_max)} (a full cache prefills every "
+                                    "token; the static-budget rows start from a synthesised cache)")
+            ns = [prompt_tokens(shape, ctx, a.steps) for ctx in row_ctxs]
             if rname not in targets:
                 recs = [{"status": "build-failed"} for _ in ctxs]
             else:
                 spec = {"kind": "hf" if row.kind == "hf" else "kvx", "vocab": shape.vocab, "steps": a.steps,
-                        "threads": a.threads, "cells": list(zip(ctxs, ns, strict=False)), **targets[rname]}
-                cmd = runner.optimum_cmd(vpy, spec) if row.kind == "optimum" else runner.cell_cmd(spec)
-                log(f"  {sname} {rname}: contexts {', '.join(map(str, ctxs))}")
-                recs = runner.run_row(cmd, ctxs, int(a.mem_limit_gb * 2**30), a.cell_timeout,
+                        "threads": a.threads, "cells": list(zip(row_ctxs, ns, strict=False)), **targets[rname]}
+                cmd = (runner.side_cmd(row.kind, vpys[row.kind], spec) if row.kind in vpys
+                       else runner.cell_cmd(spec))
+                log(f"  {sname} {rname}: contexts {', '.join(map(str, row_ctxs))}")
+                recs = runner.run_row(cmd, row_ctxs, int(a.mem_limit_gb * 2**30), a.cell_timeout,
                                       threads=a.threads)
-            for ctx, n, rec in zip(ctxs, ns, recs, strict=False):
+            for ctx, n, rec in zip(row_ctxs, ns, recs, strict=False):
                 cell = {"shape": sname, "row": rname, "context": ctx, "prompt_tokens": n,
-                        "kv_bytes": shape.kv_bytes(row, n + a.steps), **runner.summarize(rec)}
+                        "kv_bytes": shape.kv_bytes(row, n + a.steps, capacity), **runner.summarize(rec)}
+                if rname in targets and targets[rname].get("export_bytes"):
+                    cell["export_bytes"] = targets[rname]["export_bytes"]
                 if cell["status"] == "ok":
                     r = cell["result"]
                     if r.get("cache_bytes"):
                         cell["kv_bytes_measured"] = r["cache_bytes"]
+                    if r.get("resident_bytes"):
+                        cell["resident_bytes"] = r["resident_bytes"]
                     cell["prefill_tok_s"] = n / cell["prefill_s"] if cell["prefill_s"] else None
                     cell["bound"] = bandwidth.decode_bound(targets[rname]["weight_bytes"], cell["kv_bytes"],
                                                            cell["decode_ms_median"], res["bandwidth"]["copy_gbps"])

@@ -88,10 +88,12 @@ def legacy_model_dir(shape: Shape, cache: Path) -> Path:
     return out
 
 
-def kvx_export(row: Row, shape: Shape, cache: Path, log=print, rebuild: bool = False) -> tuple[Path, float | None]:
+def kvx_export(row: Row, shape: Shape, cache: Path, log=print, rebuild: bool = False,
+               capacity: int | None = None) -> tuple[Path, float | None]:
     """Export ``row`` for ``shape`` once (kvexport.export.export_model); returns (dir, seconds spent or None
-    when cached). A cached export whose manifest no longer verifies is rebuilt."""
-    kw = row.export_kwargs(shape)
+    when cached). A cached export whose manifest no longer verifies is rebuilt. ``capacity``: the slots of a
+    static full-cache row."""
+    kw = row.export_kwargs(shape, capacity)
     src = model_dir(shape, cache)
     sd = {k: v for k, v in shape.to_dict().items() if k not in RUN_ONLY_FIELDS}
     out = cache / "exports" / f"{shape.name}-{row.name}-{_key({'kw': kw, 'src': str(src), 'shape': sd})}"
@@ -136,6 +138,29 @@ def optimum_export(shape: Shape, cache: Path, venv_python: Path, log=print, time
     tmp.rename(out)
     dt = time.time() - t0
     log(f"  optimum export of {shape.name} in {dt:.0f} s")
+    return out, dt
+
+
+def ortgenai_build(shape: Shape, cache: Path, venv_python: Path, log=print, timeout_s: float = 1800.0,
+                   rebuild: bool = False) -> tuple[Path, float | None]:
+    """onnxruntime-genai's model builder (``python -m onnxruntime_genai.models.builder -i DIR -o OUT -p fp32 -e
+    cpu``) on the shape's checkpoint, in its venv, once. Returns (dir, seconds or None when cached)."""
+    src = legacy_model_dir(shape, cache)
+    out = cache / "ortgenai" / src.name
+    if not rebuild and (out / "genai_config.json").is_file() and (out / "model.onnx").is_file():
+        return out, None
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    log(f"  onnxruntime-genai builder on {shape.name} ...")
+    t0 = time.time()
+    r = subprocess.run([str(venv_python), "-m", "onnxruntime_genai.models.builder", "-i", str(src), "-o", str(tmp),
+                        "-p", "fp32", "-e", "cpu"], capture_output=True, text=True, timeout=timeout_s)
+    if r.returncode != 0 or not (tmp / "genai_config.json").is_file():
+        raise RuntimeError("onnxruntime-genai builder failed:\n" + (r.stdout + r.stderr)[-2000:])
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    dt = time.time() - t0
+    log(f"  onnxruntime-genai build of {shape.name} in {dt:.0f} s")
     return out, dt
 
 

@@ -5,15 +5,18 @@ Rows, all greedy decoding at batch 1 of the same model and prompt:
 
     hf              transformers ``generate`` in PyTorch, full (growing) cache
     optimum         ``optimum-cli export onnx --task text-generation-with-past`` on onnxruntime (own venv)
-    kvx-dynamic     kvexport ``--press none --dynamic-cache``: our full-cache, growing-past export
+    ortgenai        onnxruntime-genai's model builder: GroupQueryAttention over a preallocated past/present buffer
+                    shared in place (own venv), the strongest full-cache CPU runtime
+    kvx-full        kvexport ``--press none``: a static full cache of the run's largest context, written in place
     kvx-snapkv      kvexport static budget, SnapKV, budget + window slots per layer
     kvx-streaming   kvexport static budget, StreamingLLM
-    kvx-mla         kvexport MLA latent cache (r_kv + d_rope per token and layer, ≈6.4× smaller), full context,
-                    exported with ``--dynamic-cache`` (the latent past grows like Optimum's K/V past)
+    kvx-mla-full    kvexport MLA latent cache (r_kv + d_rope per token and layer, ≈6.4× smaller), static full cache
     kvx-mla-snapkv  MLA + SnapKV static budget
 
 Shapes: ``student`` (models/kvx-student), ``llama1b`` (Llama-3.2-1B's hidden size, heads, KV heads, head dim
-and MLP width with fewer layers, random weights), ``tiny`` (CI smoke test).
+and MLP width with 2 layers, random weights), ``llama1b-16`` (all 16 layers, the vocabulary cut to 32k: decode
+cost of the real size; its static-budget cells start from a synthesised cache, see benchmarks/cell.py),
+``tiny`` (CI smoke test).
 """
 
 from __future__ import annotations
@@ -27,21 +30,25 @@ from kvexport.profile.kv_bytes import CacheShape
 @dataclass(frozen=True)
 class Row:
     name: str
-    kind: str  # "hf" | "optimum" | "kvx"
+    kind: str  # "hf" | "optimum" | "ortgenai" | "kvx"
     label: str
     press: str | None = None
     mla: bool = False
     dynamic_cache: bool = False
+    full: bool = False  # a static full cache (capacity = the run's largest prompt + steps)
 
     @property
     def static_budget(self) -> bool:
         return self.press is not None
 
-    def export_kwargs(self, shape: "Shape") -> dict[str, Any]:
-        """Keyword arguments of ``kvexport.export.export_model`` for this row on ``shape``."""
+    def export_kwargs(self, shape: "Shape", capacity: int | None = None) -> dict[str, Any]:
+        """Keyword arguments of ``kvexport.export.export_model`` for this row on ``shape`` (``capacity``: the
+        static full cache's slots)."""
         kw: dict[str, Any] = {"chunk": shape.chunk, "window": shape.window}
         if self.dynamic_cache:
             kw.update(press="none", dynamic_cache=True)
+        if self.full:
+            kw.update(press="none", max_positions=int(capacity or shape.max_positions))
         if self.press is not None:
             kw.update(press=self.press, budget=shape.budget)
         if self.mla:
@@ -52,11 +59,12 @@ class Row:
 ROWS: dict[str, Row] = {r.name: r for r in [
     Row("hf", "hf", "HF transformers generate (PyTorch, full cache)"),
     Row("optimum", "optimum", "HF Optimum ONNX export (onnxruntime, full cache)"),
-    Row("kvx-dynamic", "kvx", "kvexport --press none --dynamic-cache (onnxruntime, full cache)", dynamic_cache=True),
+    Row("ortgenai", "ortgenai", "onnxruntime-genai builder (GroupQueryAttention, shared past/present buffer)"),
+    Row("kvx-full", "kvx", "kvexport --press none: static full cache written in place (onnxruntime)", full=True),
     Row("kvx-snapkv", "kvx", "kvexport SnapKV static budget", press="snapkv"),
     Row("kvx-streaming", "kvx", "kvexport StreamingLLM static budget", press="streaming_llm"),
-    Row("kvx-mla", "kvx", "kvexport MLA latent cache (≈6.4× smaller per token, full context, growing)", mla=True,
-        dynamic_cache=True),
+    Row("kvx-mla-full", "kvx", "kvexport MLA latent cache (≈6.4× smaller per token), static full cache", mla=True,
+        full=True),
     Row("kvx-mla-snapkv", "kvx", "kvexport MLA + SnapKV static budget", press="snapkv", mla=True),
 ]}
 
@@ -84,18 +92,21 @@ class Shape:
     tie: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def cache_shape(self, row: Row, dtype_bytes: int = 4) -> CacheShape:
-        """Analytic cache layout of ``row`` on this shape (kvexport.profile.kv_bytes)."""
+    def cache_shape(self, row: Row, dtype_bytes: int = 4, capacity: int | None = None) -> CacheShape:
+        """Analytic cache layout of ``row`` on this shape (kvexport.profile.kv_bytes); ``capacity``: a static full
+        cache's slots."""
         return CacheShape(num_layers=self.layers, num_kv_heads=self.kv_heads, head_dim=self.head_dim,
                           mla_ranks=(self.mla_rank,) * self.layers if row.mla else None,
                           rope_dim=self.rope_dim if row.mla else 0,
                           budget=self.budget if row.static_budget else None,
-                          window=self.window if row.static_budget else 0, dtype_bytes=dtype_bytes)
+                          window=self.window if row.static_budget else 0, dtype_bytes=dtype_bytes,
+                          capacity=capacity if row.full else None, query_heads=self.heads,
+                          query_dim=self.head_dim, vocab_size=self.vocab)
 
-    def kv_bytes(self, row: Row, context: int) -> int:
-        """K/V bytes held for one sequence of ``context`` tokens: budget + window slots with a press (a static
-        export allocates them up front), else every token (growing caches)."""
-        return self.cache_shape(row).bytes_at(context)
+    def kv_bytes(self, row: Row, context: int, capacity: int | None = None) -> int:
+        """K/V bytes held for one sequence of ``context`` tokens: budget + window slots with a press, the capacity
+        of a static full cache (both allocated up front), else every token (growing caches)."""
+        return self.cache_shape(row, capacity=capacity).bytes_at(context)
 
     def mla_ratio(self) -> float:
         return (2 * self.kv_heads * self.head_dim) / (self.mla_rank + self.rope_dim)
@@ -116,6 +127,13 @@ SHAPES: dict[str, Shape] = {
     # (--contexts overrides).
     "llama1b": Shape("llama1b", hidden=2048, layers=2, heads=32, kv_heads=8, head_dim=64, intermediate=8192,
                      vocab=32000, max_positions=32768, mla_rank=128, rope_dim=32, max_context=2048),
+    # Llama-3.2-1B itself (16 layers, hidden 2048, 32/8 heads of 64, MLP 8192), vocabulary cut to 32k (1.0B
+    # parameters, 4.0 GB fp32): the decode step at the real size. Prefilling 16k tokens would take ~10 min of
+    # this CPU, so the static-budget rows start each cell from a synthesised cache (same slots, positions up to
+    # the context; benchmarks/cell.py) and the full-cache rows run the short contexts only.
+    "llama1b-16": Shape("llama1b-16", hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, intermediate=8192,
+                        vocab=32000, max_positions=32768, mla_rank=128, rope_dim=32, max_context=16384,
+                        extra={"synthesize": True, "full_rows_max_context": 2048}),
     # CI smoke test: tiny, fast to export. 2·2·16 = 64 elements per token and layer; 8 + 2 = 10 -> 6.4×.
     "tiny": Shape("tiny", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256,
                   max_positions=1024, budget=96, window=8, chunk=32, mla_rank=8, rope_dim=2),

@@ -133,5 +133,6 @@ def cell_cmd(spec: dict) -> list[str]:
     return [sys.executable, "-m", "benchmarks.cell", json.dumps(spec)]
 
 
-def optimum_cmd(venv_python: Path, spec: dict) -> list[str]:
-    return [str(venv_python), str(REPO / "benchmarks" / "optimum_runner.py"), json.dumps(spec)]
+def side_cmd(kind: str, venv_python: Path, spec: dict) -> list[str]:
+    """A row timed in its own venv: ``benchmarks/<kind>_runner.py`` run by that venv's python."""
+    return [str(venv_python), str(REPO / "benchmarks" / f"{kind}_runner.py"), json.dumps(spec)]

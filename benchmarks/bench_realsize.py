@@ -1,0 +1,308 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``kvexport convert`` on real-size checkpoints: per-stage wall time and peak RSS against the weight bytes.
+
+    python -m benchmarks.bench_realsize                          # student, qwen3-385m, llama-1b (default settings)
+    python -m benchmarks.bench_realsize --shapes qwen3-385m --press snapkv --budget 256   # eviction only, no MLA
+    python -m benchmarks.bench_realsize --shapes student --out /tmp/rs --cprofile export
+
+Shapes (random weights of the real layer shapes, saved once as fp32 safetensors under ``--cache``):
+
+    student      models/kvx-student (4 layers, hidden 128, vocabulary 4096): 2.6M parameters
+    qwen3-385m   Qwen3-0.6B's layers (28 × hidden 1024, 16/8 heads of 128, MLP 2048), vocabulary 32k, tied: 385M
+    llama-1b     Llama-3.2-1B's layers (16 × hidden 2048, 32/8 heads of 64, MLP 8192), vocabulary 32k, tied: 1.04B
+
+Each shape converts in its own process (``kvexport.convert.run_convert``, as ``kvexport convert`` runs it). Before
+every stage the process's RSS high-water mark is reset (``/proc/self/clear_refs``), so each stage's peak is its own;
+the table gives it in GB and as a multiple of the fp32 weight bytes, with the RSS left when the stage ends, its wall
+time, the bytes each artifact directory holds, the decode p50 of the profile at each context and the weight-read
+bound of that step (weight bytes / this machine's copy bandwidth, measured in the same process). Writes
+``realsize.json`` and ``realsize.md`` into ``--out``; ``--cprofile STAGE`` also writes ``<shape>-<stage>.pstats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STAGES = ("load", "rewrite", "distill", "export", "engine", "validate", "profile", "report")
+
+
+@dataclass(frozen=True)
+class RealShape:
+    name: str
+    family: str  # transformers config family
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tie: bool = True
+    max_positions: int = 32768
+    source: str | None = None  # a bundled checkpoint instead of random weights
+
+
+SHAPES = {
+    "student": RealShape("student", "llama", 4, 128, 4, 2, 32, 384, 4096, source="models/kvx-student"),
+    "qwen3-385m": RealShape("qwen3-385m", "qwen3", 28, 1024, 16, 8, 128, 2048, 32000),
+    "llama-1b": RealShape("llama-1b", "llama", 16, 2048, 32, 8, 64, 8192, 32000),
+}
+
+
+def parameters(s: RealShape) -> int:
+    """Parameter count of the shape (embeddings once when tied; Qwen3's q/k norms included)."""
+    H, D, F = s.hidden, s.head_dim, s.intermediate
+    attn = H * s.heads * D * 2 + H * s.kv_heads * D * 2 + (2 * D if s.family == "qwen3" else 0)
+    layer = attn + 3 * H * F + 2 * H
+    return s.layers * layer + s.vocab * H * (1 if s.tie else 2) + H
+
+
+def checkpoint(s: RealShape, cache: Path) -> Path:
+    """The HF directory of ``s``: the bundled one, or random weights saved once (fp32 safetensors)."""
+    if s.source is not None:
+        return REPO / s.source
+    out = cache / "models" / s.name
+    if (out / "config.json").is_file():
+        return out
+    import torch
+
+    from kvexport.models.tiny import tiny_config
+
+    cfg = tiny_config(s.family, vocab_size=s.vocab, hidden_size=s.hidden, layers=s.layers, heads=s.heads,
+                      kv_heads=s.kv_heads, head_dim=s.head_dim, intermediate_size=s.intermediate,
+                      max_positions=s.max_positions, tie_word_embeddings=s.tie, bos_token_id=0, eos_token_id=1,
+                      pad_token_id=2)
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    state = {}
+    for name, p in model.named_parameters(remove_duplicate=True):
+        if p.dim() == 2:  # scaled like kvexport.models.tiny so that attention is not uniform
+            state[name] = torch.randn(p.shape, generator=g) * (p.shape[1] ** -0.5)
+        else:
+            state[name] = torch.ones(p.shape)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    from safetensors.torch import save_file
+
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    cfg.architectures = [type(model).__name__]
+    cfg.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+# ----------------------------------------------------------------------------- the measured child
+def _status_kb(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _child(a: argparse.Namespace) -> int:
+    """Run one conversion with every stage measured; writes the shape's JSON to ``a.result``."""
+    import cProfile
+
+    from benchmarks.bandwidth import copy_bandwidth
+    from kvexport.convert import stages as st_mod
+    from kvexport.convert.config import ConvertConfig
+
+    bw = copy_bandwidth(mib=256)
+    measured: dict[str, dict] = {}
+    for name in STAGES:
+        fn = getattr(st_mod, f"stage_{name}", None)
+        if fn is None:
+            continue
+
+        def wrapped(st, _fn=fn, _name=name):
+            _reset_peak()
+            t0, c0 = time.perf_counter(), time.process_time()
+            prof = cProfile.Profile() if _name in a.cprofile else None
+            try:
+                if prof is not None:
+                    prof.enable()
+                return _fn(st)
+            finally:
+                if prof is not None:
+                    prof.disable()
+                    prof.dump_stats(str(Path(a.out) / f"{a.shape}-{_name}.pstats"))
+                measured[_name] = {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
+                                   "peak_rss": _status_kb("VmHWM") * 1024, "end_rss": _status_kb("VmRSS") * 1024}
+
+        setattr(st_mod, f"stage_{name}", wrapped)
+    flags = dict(model=a.model, contexts=a.contexts, seed=0)
+    for k in ("press", "budget", "mla_rank", "fp16", "baseline"):
+        v = getattr(a, k)
+        if v is not None:
+            flags[k] = v
+    cfg = ConvertConfig.from_mapping(flags)
+    out = Path(a.work)
+    start_rss = _status_kb("VmRSS") * 1024
+    t0 = time.perf_counter()
+    st_mod.run_convert(cfg, out, force=True)
+    total = time.perf_counter() - t0
+    res = {"stages": measured, "seconds": total, "start_rss": start_rss, "bandwidth": bw,
+           "artifacts": {d.name: sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+                         for d in sorted(out.iterdir()) if d.is_dir()},
+           "files": {str(f.relative_to(out)): f.stat().st_size for f in sorted(out.rglob("*"))
+                     if f.is_file() and f.stat().st_size > 1 << 20}}
+    prof = out / "profile-onnxruntime.json"
+    if prof.is_file():
+        p = json.loads(prof.read_text())
+        res["profile"] = {v: [{"context": r["context"], "decode_ms_p50": r.get("decode_ms_p50")}
+                              for r in d.get("contexts") or []] for v, d in p["variants"].items()}
+        res["machine_load"] = p.get("machine_load")
+    conv = json.loads((out / "convert.json").read_text())
+    res["convert_stages"] = conv["stages"]
+    Path(a.result).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+# ----------------------------------------------------------------------------- the driver
+def run_shape(s: RealShape, a: argparse.Namespace, log) -> dict:
+    model = checkpoint(s, Path(a.cache))
+    weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    work = Path(a.cache) / "runs" / s.name
+    result = Path(a.out) / f"{s.name}.json"
+    cmd = [sys.executable, "-m", "benchmarks.bench_realsize", "--child", "--shape", s.name, "--model", str(model),
+           "--work", str(work), "--result", str(result), "--out", str(a.out), "--contexts", a.contexts]
+    for k in ("press", "budget", "mla_rank"):
+        if getattr(a, k) is not None:
+            cmd += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
+    if a.fp16:
+        cmd.append("--fp16")
+    if a.no_baseline:
+        cmd.append("--no-baseline")
+    for c in a.cprofile:
+        cmd += ["--cprofile", c]
+    log(f"{s.name}: converting {model} ({weights / 1e9:.2f} GB of weights)")
+    load0 = os.getloadavg()
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    row = {"shape": asdict(s), "parameters": parameters(s), "weight_bytes": weights, "fp32_weight_bytes":
+           4 * parameters(s), "wall_seconds": wall, "loadavg_start": list(load0), "loadavg_end": list(os.getloadavg()),
+           "returncode": proc.returncode}
+    if proc.returncode != 0:
+        row["error"] = (proc.stderr or proc.stdout)[-2000:]
+        log(f"{s.name}: FAILED (rc {proc.returncode})\n{row['error']}")
+        return row
+    row.update(json.loads(result.read_text()))
+    if not a.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return row
+
+
+def _gb(b) -> str:
+    return f"{b / 1e9:.2f}"
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# kvexport convert on real-size shapes ({res['date_utc']})", "",
+             f"`{res['command']}`; settings {json.dumps(res['settings'])}", "",
+             "| shape | parameters | fp32 weights GB | stage | wall s | cpu s | peak RSS GB | × weights | end RSS GB |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        if "stages" not in r:
+            lines.append(f"| {r['shape']['name']} | {r['parameters'] / 1e6:.1f}M | {_gb(r['fp32_weight_bytes'])} | "
+                         f"FAILED | | | | | |")
+            continue
+        w = r["fp32_weight_bytes"]
+        peak = max(m["peak_rss"] for m in r["stages"].values())
+        for name, m in r["stages"].items():
+            lines.append(f"| {r['shape']['name']} | {r['parameters'] / 1e6:.1f}M | {_gb(w)} | {name} | "
+                         f"{m['seconds']:.1f} | {m['cpu_seconds']:.1f} | {_gb(m['peak_rss'])} | {m['peak_rss'] / w:.2f} | "
+                         f"{_gb(m['end_rss'])} |")
+        lines.append(f"| {r['shape']['name']} | | | **all** | **{r['seconds']:.1f}** | | **{_gb(peak)}** | "
+                     f"**{peak / w:.2f}** | |")
+    lines += ["", "| shape | artifact | GB | × weights (chosen dtype) |", "|---|---|---:|---:|"]
+    for r in res["rows"]:
+        wb = r["fp32_weight_bytes"] // (2 if res["settings"].get("fp16") else 1)
+        for d, b in (r.get("artifacts") or {}).items():
+            lines.append(f"| {r['shape']['name']} | {d}/ | {_gb(b)} | {b / wb:.2f} |")
+    lines += ["", "| shape | variant | context | decode p50 ms | weight-read bound ms | × bound | load avg |",
+              "|---|---|---:|---:|---:|---:|---|"]
+    for r in res["rows"]:
+        bound = r["fp32_weight_bytes"] / (r["bandwidth"]["copy_gbps"] * 1e9) * 1e3 if "bandwidth" in r else None
+        for v, rows in (r.get("profile") or {}).items():
+            for c in rows:
+                p50 = c["decode_ms_p50"]
+                lines.append(f"| {r['shape']['name']} | {v} | {c['context']} | {p50:.2f} | {bound:.2f} | "
+                             f"{p50 / bound:.2f} | {r['loadavg_start'][0]:.1f} → {r['loadavg_end'][0]:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_realsize", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
+    ap.add_argument("--out", default="/tmp/kvx-realsize/out", help="where realsize.json / realsize.md go")
+    ap.add_argument("--cache", default="/tmp/kvx-realsize", help="checkpoints and conversion directories")
+    ap.add_argument("--contexts", default="512,2048", help="profile contexts")
+    ap.add_argument("--press", help="convert's --press (with --budget: eviction only, no MLA)")
+    ap.add_argument("--budget", type=int)
+    ap.add_argument("--mla-rank", type=int)
+    ap.add_argument("--fp16", action="store_true", default=None)
+    ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--keep", action="store_true", help="keep each conversion directory under --cache/runs")
+    ap.add_argument("--cprofile", action="append", default=[], choices=STAGES, help="cProfile this stage")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--shape", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--baseline", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    if a.child:
+        a.baseline = False if a.no_baseline else None
+        return _child(a)
+    t_run = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - t_run:6.0f}s] {msg}", flush=True)
+
+    names = [n.strip() for n in a.shapes.split(",") if n.strip()]
+    for n in names:
+        if n not in SHAPES:
+            raise SystemExit(f"unknown shape {n!r}; accepted: {', '.join(SHAPES)}")
+    res = {"command": "python -m benchmarks.bench_realsize " + " ".join(sys.argv[1:] if argv is None else argv),
+           "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "settings": {"contexts": a.contexts, "press": a.press, "budget": a.budget, "mla_rank": a.mla_rank,
+                        "fp16": bool(a.fp16), "baseline": not a.no_baseline},
+           "machine": {"cpus": os.cpu_count(), "memory_gib": round(os.sysconf("SC_PAGE_SIZE") *
+                                                                   os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
+           "rows": []}
+    for n in names:
+        res["rows"].append(run_shape(SHAPES[n], a, log))
+        (Path(a.out) / "realsize.json").write_text(json.dumps(res, indent=1))
+        (Path(a.out) / "realsize.md").write_text(markdown(res))
+        log(f"{n}: done")
+    print(markdown(res))
+    return 0 if all(r["returncode"] == 0 for r in res["rows"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
