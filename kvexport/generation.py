@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from kvexport.cache import plan as cache_plan
+from kvexport.cache.formats import kv_format
 from kvexport.errors import BadUsage
 
 
@@ -58,6 +59,7 @@ def generate(
     forced_tokens=None,
     capacity: int | None = None,
     tie_break: Callable | None = None,
+    kv_dtype: str | None = None,
 ) -> GenerationResult:
     """Greedy decoding with a static cache; ``press=None`` never evicts (the full-cache reference).
 
@@ -67,8 +69,11 @@ def generate(
     ``keep_logits``: keep every decode step's logits. ``track_kept``: copy the kept positions after each
     compaction. ``tie_break(where, layer, scores, positions, n_keep) -> indices or None``: lets a caller choose
     among candidates the press scores (near-)equal (validation uses it to follow another runtime's tie choices;
-    see kvexport.export.validation).
+    see kvexport.export.validation). ``kv_dtype``: how the cache stores K/V (``fp32`` ``fp16`` ``bf16`` ``int8``
+    ``fp8``, :mod:`kvexport.cache.formats`; default: the model's dtype).
     """
+    if kv_dtype is not None:
+        kv_format(kv_dtype)  # one line if unknown, before any work
     if input_ids.numel() == 0 or input_ids.shape[1] == 0:
         raise BadUsage("the prompt is empty; give at least one token")
     if press is not None and window < 1:
@@ -92,6 +97,8 @@ def generate(
         if hasattr(press, "reset"):
             press.reset()
     cache = decoder.new_cache(B, press, budgets, window, chunk)
+    if kv_dtype is not None:
+        cache.set_kv_dtype(kv_dtype, decoder)
     if press is None:
         cache.plan.check_fits(N, max_new_tokens - 1)
     result = GenerationResult(tokens=input_ids.new_zeros(B, 0), prompt_logits=input_ids.new_zeros(0))

@@ -70,7 +70,7 @@ def orders(fill, n_pad, n_slots: int, n_cols: int, device=None) -> Orders | None
 
 
 def keep_best(press, make_inputs, k, v, pos, queries, q_positions, fill, n_pad, n_slots: int, budget: int,
-              capacity: int, topk=topk_gather_reference):
+              capacity: int, topk=topk_gather_reference, stored=None):
     """Rules 3 and 5: score the candidates, keep the best ``budget`` in candidate order, then ``capacity -
     budget`` empty slots.
 
@@ -79,14 +79,27 @@ def keep_best(press, make_inputs, k, v, pos, queries, q_positions, fill, n_pad, 
     builds the press's :class:`~kvexport.presses.base.ScoreInputs` (it knows the layer). ``press=None`` keeps the
     first ``budget`` in candidate order (a full cache). ``topk``: the TopKGather implementation (the reference
     here, the custom op in a graph). Returns k, v, pos with ``capacity`` slots.
+
+    ``stored``: what the cache holds of the same candidates when that is not what the press scores (a quantized
+    cache, :mod:`kvexport.cache.quant`): ``(k_codes, v_codes, k_scale, v_scale)`` in the raw layout (a scale may be
+    None). The press scores ``k`` / ``v``; the kept entries are gathered from ``stored`` (codes are copied, never
+    quantized again), and the result is ``(k_codes, v_codes, pos, k_scale, v_scale)``.
     """
     S = k.shape[2]
     o = orders(fill, n_pad, n_slots, S - n_slots, device=k.device)
+    store = list(stored) if stored is not None else None
     if press is None:
         if o is not None:
             idx = o.kept[:budget]
-            k, v, pos = k.index_select(2, idx), v.index_select(2, idx), pos.index_select(2, idx)
+            pos = pos.index_select(2, idx)
+            k, v = (store[0], store[1]) if store is not None else (k, v)
+            k, v = k.index_select(2, idx), v.index_select(2, idx)
+            scales = [None if s is None else s.index_select(2, idx) for s in store[2:]] if store is not None else []
+        else:
+            k, v = (store[0], store[1]) if store is not None else (k, v)
+            scales = list(store[2:]) if store is not None else []
         kk, kv, kp = k[:, :, :budget], v[:, :, :budget], pos[:, :, :budget]
+        kept_scales = [None if s is None else s[:, :, :budget] for s in scales]
     else:
         if o is None:
             scores = press.score(make_inputs(k, v, pos, queries, q_positions)).float()
@@ -95,12 +108,22 @@ def keep_best(press, make_inputs, k, v, pos, queries, q_positions, fill, n_pad, 
             scores = press.score(make_inputs(ks, vs, ps, queries, q_positions)).float()
             back = torch.remainder(torch.arange(S, device=k.device) + o.shift, S)
             scores = scores.index_select(2, back)
-            k, v, pos = k.index_select(2, o.kept), v.index_select(2, o.kept), pos.index_select(2, o.kept)
-        kk, kv, kp, _ = topk(scores, k, v, pos, budget)
+            pos = pos.index_select(2, o.kept)
+            if store is None:
+                k, v = k.index_select(2, o.kept), v.index_select(2, o.kept)
+            else:
+                store = [None if t is None else t.index_select(2, o.kept) for t in store]
+        if store is not None:
+            k, v = store[0], store[1]
+        kk, kv, kp, idx = topk(scores, k, v, pos, budget)
+        kept_scales = [None if s is None else gather_slots(s, idx) for s in store[2:]] if store is not None else []
     extra = capacity - kk.shape[2]
     if extra > 0:
         B, H = k.shape[0], k.shape[1]
         kk = torch.cat([kk, kk.new_zeros(B, H, extra, k.shape[-1])], dim=2)
         kv = torch.cat([kv, kv.new_zeros(B, H, extra, v.shape[-1])], dim=2)
         kp = torch.cat([kp, torch.full((B, H, extra), -1, dtype=kp.dtype, device=kp.device)], dim=2)
-    return kk, kv, kp
+        kept_scales = [None if s is None else torch.cat([s, s.new_zeros(B, H, extra)], dim=2) for s in kept_scales]
+    if stored is None:
+        return kk, kv, kp
+    return (kk, kv, kp, *kept_scales)

@@ -5,6 +5,7 @@ Buffers of one layer (``Hc`` cache heads: the KV heads, or 1 for an MLA latent):
 
     k (B, Hc, cap, Dk)   v (B, Hc, cap, Dv)   pos (B, Hc, cap) int64, -1 = empty / padding
     qbuf (B, Hq, W, Dq)                       the query ring (evicting caches only)
+    ks, vs (B, Hc, cap) float16               scales of a quantized format (kvexport.cache.quant; no vs when Dv = 0)
 
 and one ``qpos (B, W)`` for the whole cache: the ring's positions (the same in every layer), as in the graphs.
 
@@ -20,7 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from kvexport.cache.candidates import gather_slots, keep_best, select_kept, topk_gather_reference
+from kvexport.cache.formats import KVFormat, kv_format
 from kvexport.cache.plan import CachePlan, CacheState, ring_order
+from kvexport.cache.quant import QuantizedRows, decode, encode, storage_dtype
 from kvexport.errors import BadUsage
 
 
@@ -46,22 +49,46 @@ class ScoreContext:
         return make
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A model dtype -> its ``--kv-dtype`` name (the default cache format of that model)."""
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+
+
 class LayerCache:
-    """Fixed buffers of one layer; its fill count lives in the owning cache's :class:`CacheState`."""
+    """Fixed buffers of one layer; its fill count lives in the owning cache's :class:`CacheState`.
+
+    ``kv_dtype`` (:mod:`kvexport.cache.formats`; default: the model's ``dtype``): ``k`` / ``v`` hold that format's
+    storage (codes for int8 / fp8, with float16 scales ``ks`` / ``vs`` (B, Hc, cap)); what attention reads is
+    :meth:`view`, always in the model's ``dtype``."""
 
     def __init__(self, batch, heads, key_dim, value_dim, q_heads, q_dim, budget, window, dtype, device, ctx,
-                 evicting: bool = True):
+                 evicting: bool = True, kv_dtype: str | None = None):
         self.budget, self.window = int(budget), int(window)
         self.capacity = self.budget + (self.window if evicting else 0)
-        cap = self.capacity
-        self.k = torch.zeros(batch, heads, cap, key_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(batch, heads, cap, value_dim, dtype=dtype, device=device)
-        self.pos = torch.full((batch, heads, cap), -1, dtype=torch.long, device=device)
+        self.dtype = dtype
+        self.reads_quantized = False  # the attention module takes QuantizedRows (set by StaticCache.set_kv_dtype)
+        self._alloc(batch, heads, key_dim, value_dim, device, kv_format(kv_dtype, dtype_name(dtype)))
         W = self.window if evicting else 0
         self.qbuf = torch.zeros(batch, q_heads, W, q_dim, dtype=dtype, device=device)
         self.ctx = ctx
         self.owner: StaticCache | None = None  # set by StaticCache
         self.index = 0
+
+    def _alloc(self, batch, heads, key_dim, value_dim, device, fmt: KVFormat) -> None:
+        cap, store = self.capacity, storage_dtype(fmt)
+        self.fmt = fmt
+        self.k = torch.zeros(batch, heads, cap, key_dim, dtype=store, device=device)
+        self.v = torch.zeros(batch, heads, cap, value_dim, dtype=store, device=device)
+        if not hasattr(self, "pos"):
+            self.pos = torch.full((batch, heads, cap), -1, dtype=torch.long, device=device)
+        scales = fmt.scale_fields(value_dim)
+        self.ks = torch.zeros(batch, heads, cap, dtype=torch.float16, device=device) if "ks" in scales else None
+        self.vs = torch.zeros(batch, heads, cap, dtype=torch.float16, device=device) if "vs" in scales else None
+
+    @property
+    def lossy(self) -> bool:
+        """Whether storing a row changes it (another dtype than the model's, or codes)."""
+        return self.fmt.quantized or storage_dtype(self.fmt) != self.dtype
 
     @property
     def state(self) -> CacheState:
@@ -71,28 +98,60 @@ class LayerCache:
     def fill(self) -> int:
         return self.state.fills[self.index]
 
-    def view(self, fill: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The first ``fill`` slots (what a step attends over, besides its own tokens)."""
-        return self.k[:, :, :fill], self.v[:, :, :fill], self.pos[:, :, :fill]
+    def stored(self, fill: int) -> tuple:
+        """The first ``fill`` slots as stored: (k, v, k_scale or None, v_scale or None)."""
+        return (self.k[:, :, :fill], self.v[:, :, :fill], None if self.ks is None else self.ks[:, :, :fill],
+                None if self.vs is None else self.vs[:, :, :fill])
 
-    def occupied(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def view(self, fill: int) -> tuple:
+        """The first ``fill`` slots as attention reads them (besides its own tokens): k, v in the model's dtype
+        (dequantized / converted copies for a lossy format; the buffers themselves otherwise), pos. An attention
+        module with ``reads_quantized`` gets the keys as :class:`~kvexport.cache.quant.QuantizedRows` instead."""
+        k, v, ks, vs = self.stored(fill)
+        if self.fmt.quantized and self.reads_quantized:
+            return QuantizedRows(k, ks, self.fmt), decode(v, vs, self.fmt, self.dtype), self.pos[:, :, :fill]
+        if self.lossy:
+            k, v = decode(k, ks, self.fmt, self.dtype), decode(v, vs, self.fmt, self.dtype)
+        return k, v, self.pos[:, :, :fill]
+
+    def _scored(self, fill: int) -> tuple:
+        """The first ``fill`` slots as a press scores them (what is stored, read back in the model's dtype)."""
+        k, v, ks, vs = self.stored(fill)
+        if self.lossy:
+            k, v = decode(k, ks, self.fmt, self.dtype), decode(v, vs, self.fmt, self.dtype)
+        return k, v, self.pos[:, :, :fill]
+
+    def occupied(self) -> tuple:
         return self.view(self.fill)
 
-    def _store(self, k, v, pos, upto: int) -> None:
-        """Write k/v/pos (B, Hc, n, .) at slots [0, n); slots [n, upto) become empty."""
+    def _write(self, start: int, k, v, ks, vs, pos) -> None:
+        """Stored rows k, v (B, Hc, n, .) (and scales (B, Hc, n)) and their positions at slots [start, start + n)."""
         n = k.shape[2]
-        self.k[:, :, :n] = k
-        self.v[:, :, :n] = v
-        self.pos[:, :, :n] = pos
-        if upto > n:
-            self.pos[:, :, n:upto] = -1
+        self.k[:, :, start : start + n] = k
+        self.v[:, :, start : start + n] = v
+        if self.ks is not None:
+            self.ks[:, :, start : start + n] = ks
+        if self.vs is not None:
+            self.vs[:, :, start : start + n] = vs
+        self.pos[:, :, start : start + n] = pos
 
-    def _keep(self, press, k, v, pos, queries, q_positions) -> None:
-        """Candidates [occupied ; new] -> the best budget in slots [0, budget) (rules 3 and 5)."""
+    def _encode(self, k_new, v_new) -> tuple:
+        """New rows in full precision -> as stored: (k, v, k_scale or None, v_scale or None)."""
+        k, ks = encode(k_new, self.fmt)
+        v, vs = encode(v_new, self.fmt)
+        return k, v, ks, vs
+
+    def _keep(self, press, k, v, pos, queries, q_positions, stored) -> None:
+        """Candidates [occupied ; new] -> the best budget in slots [0, budget) (rules 3 and 5). k, v: what the press
+        scores; ``stored``: the same candidates as stored, or None when that is k, v themselves."""
         n = k.shape[2]
-        kk, kv, kp = keep_best(press, self.ctx.inputs(self.budget), k, v, pos, queries, q_positions, n, 0, n,
-                               self.budget, self.budget, topk=self._topk())
-        self._store(kk, kv, kp, upto=n)
+        got = keep_best(press, self.ctx.inputs(self.budget), k, v, pos, queries, q_positions, n, 0, n, self.budget,
+                        self.budget, topk=self._topk(), stored=stored)
+        kk, kv, kp = got[:3]
+        ks, vs = got[3:] if stored is not None else (None, None)
+        self._write(0, kk, kv, ks, vs, kp)
+        if n > kk.shape[2]:
+            self.pos[:, :, kk.shape[2] : n] = -1
 
     def _topk(self):
         """TopKGather's reference, or the owner's ``tie_break`` choice where it makes one."""
@@ -112,23 +171,25 @@ class LayerCache:
 
     def prefill(self, press, fill: int, compacts: bool, k_new, v_new, new_pos, q_score, q_positions) -> None:
         """Rule 3. A chunk: k_new, v_new (B, Hc, T, D), new_pos (B, Hc, T), q_score (B, Hq, T, Dq), q_positions (B, T);
-        ``fill`` / ``compacts``: this layer's entry of the plan's prefill step."""
-        T = k_new.shape[2]
+        ``fill`` / ``compacts``: this layer's entry of the plan's prefill step. With a lossy format the press scores
+        the chunk's rows before they are stored (in full precision) and the occupied slots as stored."""
+        rows = self._encode(k_new, v_new)
         if not compacts:
-            self.k[:, :, fill : fill + T] = k_new
-            self.v[:, :, fill : fill + T] = v_new
-            self.pos[:, :, fill : fill + T] = new_pos
+            self._write(fill, *rows, new_pos)
             return
-        k = torch.cat([self.k[:, :, :fill], k_new], dim=2)
-        v = torch.cat([self.v[:, :, :fill], v_new], dim=2)
-        pos = torch.cat([self.pos[:, :, :fill], new_pos], dim=2)
-        self._keep(press, k, v, pos, q_score, q_positions)
+        k0, v0, pos0 = self._scored(fill)
+        k = torch.cat([k0, k_new], dim=2)
+        v = torch.cat([v0, v_new], dim=2)
+        pos = torch.cat([pos0, new_pos], dim=2)
+        stored = None
+        if self.lossy:
+            stored = tuple(None if a is None else torch.cat([a, b], dim=2)
+                           for a, b in zip(self.stored(fill), rows, strict=True))
+        self._keep(press, k, v, pos, q_score, q_positions, stored)
 
     def append(self, slot: int, query_slot: int | None, k_new, v_new, new_pos, q_score, q_positions) -> None:
         """Rule 4: one decode token at ``slot``, its query at ring slot ``query_slot`` (None: no ring)."""
-        self.k[:, :, slot : slot + 1] = k_new
-        self.v[:, :, slot : slot + 1] = v_new
-        self.pos[:, :, slot : slot + 1] = new_pos
+        self._write(slot, *self._encode(k_new, v_new), new_pos)
         if query_slot is not None:
             self.qbuf[:, :, query_slot : query_slot + 1] = q_score
             self.owner.qpos[:, query_slot : query_slot + 1] = q_positions
@@ -138,7 +199,8 @@ class LayerCache:
         if fill <= self.budget:
             return
         order = torch.tensor(ring_order(query_start, self.window), device=self.qbuf.device)
-        self._keep(press, *self.view(fill), self.qbuf[:, :, order], self.owner.qpos[:, order])
+        self._keep(press, *self._scored(fill), self.qbuf[:, :, order], self.owner.qpos[:, order],
+                   self.stored(fill) if self.lossy else None)
 
 
 class StaticCache:
@@ -163,6 +225,24 @@ class StaticCache:
         self.tie_break = None  # callable(where, layer, scores, positions, n_keep) -> indices or None
         self.ties_resolved = 0
         self.where = ""  # the step being run: "prefill:<chunk>" or "decode:<step>"
+
+    def set_kv_dtype(self, kv_dtype: str | None, decoder=None) -> "StaticCache":
+        """Store K/V (or latents) as ``kv_dtype`` (:mod:`kvexport.cache.formats`; None: the model's dtype) from now
+        on: every layer's K/V buffers are made again in that format (call it on a fresh cache, before any token).
+        ``decoder``: its attention modules that read quantized rows themselves (``reads_quantized``) are handed
+        :class:`~kvexport.cache.quant.QuantizedRows`. Returns the cache."""
+        if self.chunks_fed:
+            raise BadUsage("set_kv_dtype on a cache that holds tokens; make a new cache")
+        for i, ly in enumerate(self.layers):
+            B, H, _, Dk = ly.k.shape
+            ly._alloc(B, H, Dk, ly.v.shape[-1], ly.k.device, kv_format(kv_dtype, dtype_name(ly.dtype)))
+            attn = decoder.layers[i].self_attn if decoder is not None else None
+            ly.reads_quantized = bool(getattr(attn, "reads_quantized", False))
+        return self
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.layers[0].fmt.name
 
     @property
     def compactions(self) -> int:
@@ -204,10 +284,13 @@ class StaticCache:
 
     # ------------------------------------------------------------------ accounting
     def resident_bytes(self) -> dict[str, int]:
-        """Bytes every buffer of this cache holds, by kind (``total`` included)."""
-        out = {"kv": 0, "positions": 0, "queries": 0, "query_positions": self.qpos.numel() * self.qpos.element_size()}
+        """Bytes every buffer of this cache holds, by kind (``kv``: K/V or latent storage, ``scales``: their float16
+        scales (quantized formats), ``positions``, ``queries`` / ``query_positions``: the ring; ``total``)."""
+        out = {"kv": 0, "scales": 0, "positions": 0, "queries": 0,
+               "query_positions": self.qpos.numel() * self.qpos.element_size()}
         for ly in self.layers:
             out["kv"] += ly.k.numel() * ly.k.element_size() + ly.v.numel() * ly.v.element_size()
+            out["scales"] += sum(t.numel() * t.element_size() for t in (ly.ks, ly.vs) if t is not None)
             out["positions"] += ly.pos.numel() * ly.pos.element_size()
             out["queries"] += ly.qbuf.numel() * ly.qbuf.element_size()
         out["total"] = sum(out.values())
