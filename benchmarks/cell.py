@@ -23,85 +23,23 @@ whatever the context, so this is its decode cost at context n; prefill is not me
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 
 import numpy as np
 
-
-def peak_rss() -> int:
-    """This process's RSS high-water mark: VmHWM of /proc/self/status (reset at exec, unlike ``ru_maxrss``,
-    which Linux carries over from the parent that forked us)."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def rss_now() -> int:
-    import psutil
-
-    return int(psutil.Process().memory_info().rss)
-
-
-def prompt_ids(n: int, vocab: int, seed: int = 1234) -> np.ndarray:
-    """The benchmark prompt: ``n`` token ids drawn once from a fixed seed (same for every row), (1, n) int64."""
-    rng = np.random.default_rng(seed)
-    return rng.integers(3, vocab, size=(1, n), dtype=np.int64)
-
-
-def reset_peak() -> None:
-    """Reset VmHWM to the current RSS (Linux ``/proc/self/clear_refs``), so each cell has its own peak."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+from benchmarks.proc import generate_cell, prompt_ids, serve_cells
 
 
 def run_hf(spec: dict):
     import torch
     from transformers import AutoModelForCausalLM
-    from transformers.generation.streamers import BaseStreamer
 
     torch.set_grad_enabled(False)
     torch.set_num_threads(int(spec.get("threads") or 1))
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32,
                                                  attn_implementation="sdpa").eval()
-
-    class Stamps(BaseStreamer):
-        def __init__(self):
-            self.t: list[float] = []
-            self.toks: list[int] = []
-
-        def put(self, value):
-            self.t.append(time.perf_counter())
-            if len(self.t) > 1:
-                self.toks.append(int(value.reshape(-1)[0]))
-
-        def end(self):
-            pass
-
-    n_new = spec["steps"] + 1
-    warm = torch.from_numpy(prompt_ids(16, spec["vocab"]))
-    model.generate(warm, max_new_tokens=3, min_new_tokens=3, do_sample=False)
-
-    def cell(n: int) -> dict:
-        ids = torch.from_numpy(prompt_ids(n, spec["vocab"]))
-        st = Stamps()
-        t0 = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, min_new_tokens=n_new,
-                       do_sample=False, streamer=st)
-        t = np.array(st.t)
-        t[0] = t0
-        return {"prefill_s": float(t[1] - t[0]), "decode_ms": (np.diff(t[1:]) * 1e3).tolist(),
-                "tokens": st.toks[:16], "cache_bytes": None}
-
-    return cell
+    return generate_cell(model, spec)
 
 
 class _TimedSession:
@@ -183,16 +121,7 @@ def _synthesized_cells(gen, spec: dict, log: list):
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
-    cell = {"hf": run_hf, "kvx": run_kvx}[spec["kind"]](spec)
-    rss_loaded = rss_now()
-    print(json.dumps({"ready": True, "rss_loaded": rss_loaded}), flush=True)
-    for ctx, n in spec["cells"]:
-        reset_peak()
-        start = rss_now()
-        out = cell(int(n))
-        out.update(peak_rss=peak_rss(), rss_start=start, rss_loaded=rss_loaded)
-        print(json.dumps({"context": ctx, "result": out}), flush=True)
-    return 0
+    return serve_cells({"hf": run_hf, "kvx": run_kvx}[spec["kind"]](spec), spec)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The onnxruntime-genai row's timed cells, run by that venv's python (standalone: imports neither kvexport nor
-benchmarks).
+"""The onnxruntime-genai row's timed cells, run by that venv's python (imports no kvexport; from the benchmarks only
+:mod:`benchmarks.proc`, which needs NumPy and psutil).
 
     <venv>/bin/python benchmarks/ortgenai_runner.py '<json spec>'
 
 Loads the model the genai builder wrote (GroupQueryAttention with a preallocated, shared past/present buffer),
 with ``intra_op_num_threads`` set in its genai_config.json like every other row, warms up, then for each context
 runs a fresh ``Generator`` (``max_length`` = prompt + new tokens, the buffer it preallocates): ``append_tokens``
-times the prefill, each ``generate_next_token`` one decode step. Same protocol as :mod:`benchmarks.cell`: a
-``ready`` line, then one ``{"context", "result"}`` line per cell.
+times the prefill, each ``generate_next_token`` one decode step (the protocol of :mod:`benchmarks.proc`).
 """
 
 from __future__ import annotations
@@ -16,28 +15,12 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-
-def peak_rss() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def reset_peak() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def prompt_ids(n: int, vocab: int, seed: int = 1234) -> np.ndarray:
-    """The benchmark prompt (the same ids as benchmarks.cell.prompt_ids)."""
-    return np.random.default_rng(seed).integers(3, vocab, size=(1, n), dtype=np.int64)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.proc (NumPy and psutil only)
+from benchmarks.proc import prompt_ids, serve_cells  # noqa: E402
 
 
 def set_threads(model_dir: str, threads: int) -> None:
@@ -52,7 +35,6 @@ def set_threads(model_dir: str, threads: int) -> None:
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     import onnxruntime_genai as og
-    import psutil
 
     set_threads(spec["export_dir"], int(spec.get("threads") or 1))
     model = og.Model(spec["export_dir"])
@@ -78,15 +60,7 @@ def main(argv: list[str]) -> int:
                 "cache_bytes": 2 * layers * kv_heads * head * (n + n_new) * 4}  # the shared past/present buffer
 
     run(16)
-    rss_loaded = int(psutil.Process().memory_info().rss)
-    print(json.dumps({"ready": True, "rss_loaded": rss_loaded}), flush=True)
-    for ctx, n in spec["cells"]:
-        reset_peak()
-        start = int(psutil.Process().memory_info().rss)
-        out = run(int(n))
-        out.update(peak_rss=peak_rss(), rss_start=start, rss_loaded=rss_loaded)
-        print(json.dumps({"context": ctx, "result": out}), flush=True)
-    return 0
+    return serve_cells(run, spec)
 
 
 if __name__ == "__main__":
