@@ -23,6 +23,9 @@ def export_cmd(
     mla_rank: Optional[int] = typer.Option(None, "--mla-rank", help="Rewrite to MLA with this latent rank r_kv first."),
     rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help="MLA decoupled RoPE width d_rope (default 32)."),
     batch: int = typer.Option(1, help="Static batch size of the graphs."),
+    decode_batch: Optional[int] = typer.Option(None, "--decode-batch", help="Also a decode_batch.onnx decoding N "
+                                               "sequences at once, each at its own position (the slots of "
+                                               "`kvexport serve`; use with --batch 1)."),
     chunk: int = typer.Option(128, help="Prefill chunk length C (the prompt is fed C tokens at a time)."),
     dtype: str = typer.Option("fp32", help="fp32 or fp16."),
     ops: str = typer.Option("custom", help="custom: kvexport::TopKGather / LatentAttention nodes (backed by ONNX "
@@ -43,7 +46,8 @@ def export_cmd(
         kw = {"progress": p.callback} if p.callback else {}
         path = export_model(resolve_model(model), out, press=press, budget=budget, window=window, mla_rank=mla_rank,
                             rope_dim=rope_dim, batch=batch, chunk=chunk, dtype=dtype, ops=ops,
-                            dynamic_cache=dynamic_cache, force=force, max_positions=max_positions, **kw)
+                            dynamic_cache=dynamic_cache, force=force, max_positions=max_positions,
+                            decode_batch=decode_batch, **kw)
     files = ", ".join(sorted(read_manifest(path)["files"]))
     stdout_console().print(f"exported to {path} in {p.elapsed:.1f}s: {files}", highlight=False)
 

@@ -110,6 +110,13 @@ class Engine:
             seq.cancelled = True
             self._cv.notify()
 
+    def cancel_all(self) -> None:
+        """Cancel every sequence, running or queued (the end of a drain)."""
+        with self._cv:
+            for s in [*self._slots.values(), *self._waiting, *self._incoming]:
+                s.cancelled = True
+            self._cv.notify()
+
     def counts(self) -> dict[str, int]:
         with self._cv:
             return {"active_sequences": len(self._slots), "queued_sequences": len(self._incoming) + len(self._waiting),
@@ -169,17 +176,15 @@ class Engine:
     def tick(self, events: list[tuple[Sequence, Event]]) -> None:
         """One round of the scheduler (see the module docstring); appends what happened to ``events``."""
         b = self.backend
-        for s in [s for s in self._slots.values() if s.cancelled]:
-            self._finish(s, "cancelled")
-            self.metrics.count("cancelled")
-            events.append((s, Event("", None, "cancelled")))
-        while self._free and self._waiting:
-            s = self._waiting.popleft()
-            if s.cancelled:
+        gone = [s for s in [*self._slots.values(), *self._waiting] if s.cancelled]
+        if gone:
+            self._waiting = deque(s for s in self._waiting if not s.cancelled)
+            for s in gone:
                 self._finish(s, "cancelled")
                 self.metrics.count("cancelled")
                 events.append((s, Event("", None, "cancelled")))
-                continue
+        while self._free and self._waiting:
+            s = self._waiting.popleft()
             s.slot = self._free.pop()
             self._slots[s.slot] = s
             s.state = "prefill"

@@ -87,6 +87,8 @@ def open_model(directory: str | Path, backend: str = "onnxruntime", max_sequence
 
     if backend not in BACKENDS:
         raise BadUsage(f"--backend {backend!r} is not one of: {', '.join(BACKENDS)}")
+    if max_sequences is not None and int(max_sequences) < 1:
+        raise BadUsage(f"--max-sequences {max_sequences} must be >= 1")
     export_dir, engines = resolve_export(directory, backend)
     slots = open_backend(export_dir, backend, max_sequences, threads, engines, use_decode_batch)
     s = slots.settings

@@ -123,17 +123,19 @@ def parse(cls: type[_Request], body: Any) -> _Request:
 
 
 def from_validation_error(e: ValidationError) -> APIError:
-    """The first problem pydantic found, worded as OpenAI words it."""
-    err = e.errors()[0]
+    """The first problem pydantic found, worded as OpenAI words it. Where a union's members all failed (``stop``:
+    a string or a list), a member's value error says more than the other members' type errors."""
+    errors = e.errors()
+    err = next((x for x in errors if not x["type"].endswith("_type")), errors[0])
     param = ".".join(str(p) for p in _path(err["loc"]))
     kind = err["type"]
     if kind == "extra_forbidden":
         return bad_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
     if kind == "missing":
         return bad_request(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
-    if kind in ("greater_than_equal", "greater_than") and "max_tokens" in param:
-        return bad_request(f"Invalid '{param}': integer below minimum value. Expected a value >= 1, but got "
-                           f"{err.get('input')!r} instead.", param, "integer_below_min_value")
+    if kind == "greater_than_equal" and isinstance(err.get("input"), int):
+        return bad_request(f"Invalid '{param}': integer below minimum value. Expected a value >= "
+                           f"{err['ctx']['ge']}, but got {err['input']!r} instead.", param, "integer_below_min_value")
     if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than", "too_long", "too_short",
                 "literal_error"):
         return bad_request(f"Invalid value for '{param}': {err['msg']}.", param, "invalid_value")

@@ -23,6 +23,10 @@ from kvexport.serve.engine import Engine
 from kvexport.serve.model import ServedModel, open_model
 
 
+#: seconds uvicorn waits beyond the drain deadline for the cancelled requests to send their last bytes
+GRACE = 5.0
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (port 0: a free one); BadUsage when it cannot be had."""
     try:
@@ -89,8 +93,13 @@ def serve(directory: str | Path, host: str = "127.0.0.1", port: int = 8000, back
         n = engine.counts()
         print(f"{signal.Signals(sig).name}: draining {n['active_sequences']} active and {n['queued_sequences']} "
               f"queued sequence(s) (at most {drain_timeout:g} s)", file=sys.stderr, flush=True)
+        # at the deadline the engine cancels what is left: each request then ends with an error of its own
+        # (uvicorn's own deadline, later, would cancel the request tasks and print their tracebacks)
+        timer = threading.Timer(drain_timeout, engine.cancel_all)
+        timer.daemon = True
+        timer.start()
 
-    server = _uvicorn_server(app, drain_timeout, on_signal)
+    server = _uvicorn_server(app, drain_timeout + GRACE, on_signal)
     print(f"serving {model.name} ({model.export_dir}, {model.backend.name}) on http://{host}:{bound} - "
           f"{model.backend.n_slots} sequences at once, {res['per_slot']['total'] / 2**20:.2f} MiB cache per slot, "
           f"{res['total'] / 2**20:.2f} MiB in all; context {model.limit} tokens", flush=True)
@@ -115,7 +124,7 @@ class ServerThread:
         self.app, self.engine = make_app(model, track_kept, max_queue)
         self.sock = bind(host, 0)
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
-        self.server = _uvicorn_server(self.app, drain_timeout)
+        self.server = _uvicorn_server(self.app, drain_timeout + GRACE)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="kvexport-serve")
 
@@ -130,6 +139,8 @@ class ServerThread:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.app.state.draining = True
+        self.engine.cancel_all()
         self.server.should_exit = True
         self.thread.join(30)
         self.sock.close()
