@@ -190,7 +190,8 @@ def rewrite_to_mla(model, settings: MLASettings, calibration_ids: torch.Tensor |
 
     calibration_ids (B, T): text for the statistics of every init (default: :func:`default_calibration`).
     Raises :class:`~kvexport.errors.BadUsage` for settings the model cannot take, :class:`BadModel` for a
-    model that is not a kvexport GQA decoder with RoPE.
+    model that is not a kvexport GQA decoder with RoPE, or whose layers use a sliding window (MLA attention
+    attends to every cached token).
     """
     dec = model if isinstance(model, Decoder) else Decoder.from_hf(model)
     if not all(isinstance(layer.self_attn, GQAAttention) for layer in dec.layers):
@@ -198,6 +199,12 @@ def rewrite_to_mla(model, settings: MLASettings, calibration_ids: torch.Tensor |
     if getattr(dec, "rotary", None) is None or dec.rotary.inv_freq.numel() == 0:
         raise BadModel("the model has no RoPE; MLA's decoupled RoPE key needs a RoPE model")
     spec = dec.spec
+    windowed = [i for i in range(spec.num_layers) if spec.sliding_window_of(i) is not None]
+    if windowed:
+        raise BadModel(f"layers {windowed[0]}..{windowed[-1]} ({len(windowed)} of {spec.num_layers}) use sliding_window "
+                       f"attention (window {spec.sliding_window_of(windowed[0])}), which kvexport's MLA attention does "
+                       "not apply; rewrite a model without sliding_window (Mistral sliding_window: null, Qwen "
+                       "use_sliding_window: false)")
     settings.check_model(spec.head_dim, spec.hidden_size, spec.num_kv_heads, spec.qk_norm)
     p = next(dec.parameters())
     if calibration_ids is None:
