@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Cache accounting: elements and bytes per token and layer, per sequence, and the ratio to the original cache.
+"""Cache accounting for ``kvexport inspect``: elements and bytes per token and layer, per sequence, resident
+bytes, and the ratio to the original cache, from a :class:`~kvexport.models.spec.ModelSpec` alone.
 
-Original (GQA/MHA) cache per token and layer: ``2 · n_kv · d_h`` elements (K and V). MLA: ``r_kv + d_rope``
-(X-EcoMLA; the latent and the shared RoPE key, values are derived). With a static budget the cache holds
-``budget + window`` slots per layer whatever the context (kvexport's static cache), else the whole context.
-Query buffers of the static cache (window × heads × dim, for decode-time compaction) are not counted.
+The formula has one owner, :class:`kvexport.profile.kv_bytes.CacheShape` (GQA/MHA ``2 · n_kv · d_h`` elements
+per token and layer, MLA ``r_kv + d_rope``; a static budget holds ``budget + window`` slots per layer whatever
+the context, else the whole context); this module only builds the shape from a spec and the inspect flags and
+reports it. The original cache is the same model's GQA/MHA cache over the whole context, in the same element
+type.
 """
 
 from __future__ import annotations
@@ -14,6 +16,11 @@ from typing import Any
 
 from kvexport.errors import BadUsage
 from kvexport.models.spec import ModelSpec
+from kvexport.profile.kv_bytes import CacheShape
+
+#: cache element types of ``--dtype`` and their bytes (int8/fp8 add a float16 scale per row, counted by CacheShape)
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "int8": 1, "fp8": 1}
+_QUANTIZED = ("int8", "fp8")
 
 
 @dataclass
@@ -21,6 +28,10 @@ class CacheReport:
     model: str
     family: str
     num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_heads: int
+    vocab_size: int
     dtype: str
     bytes_per_element: int
     original_elements_per_token_layer: int
@@ -30,6 +41,20 @@ class CacheReport:
     budget: int | None
     window: int | None
     mla: dict[str, Any] | None
+    mla_ranks: list[int] | None = None
+    rope_dim: int = 0
+
+    def shape(self, original: bool = False) -> CacheShape:
+        """This cache (or with ``original``, the model's uncompressed GQA/MHA cache) as a CacheShape."""
+        quantized = self.dtype in _QUANTIZED
+        kw: dict[str, Any] = {"kv_dtype": self.dtype} if quantized else {}
+        ranks = None if original or self.mla_ranks is None else tuple(self.mla_ranks)
+        return CacheShape(self.num_layers, self.num_kv_heads, self.head_dim, ranks,
+                          0 if ranks is None else self.rope_dim,
+                          budget=None if original else self.budget,
+                          window=0 if original or self.window is None else self.window,
+                          dtype_bytes=2 if quantized else self.bytes_per_element, query_heads=self.num_heads,
+                          query_dim=None if ranks is not None else self.head_dim, vocab_size=self.vocab_size, **kw)
 
     @property
     def elements_per_token(self) -> int:
@@ -41,25 +66,32 @@ class CacheReport:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        b = self.bytes_per_element
-        per_tok = self.elements_per_token
-        orig_tok = self.original_elements_per_token
+        this, orig = self.shape(), self.shape(original=True)
+        per_tok, orig_tok = this.bytes_per_token(), orig.bytes_per_token()
+        scales = (per_tok - self.elements_per_token * self.bytes_per_element) // self.num_layers
+        seq = this.bytes_at(self.context) + _scale_bytes(this, self.context)
+        orig_seq = orig.bytes_at(self.context) + _scale_bytes(orig, self.context)
         d.update(
-            elements_per_token=per_tok,
-            bytes_per_token_layer=[e * b for e in self.elements_per_token_layer],
-            bytes_per_token=per_tok * b,
-            original_elements_per_token=orig_tok,
-            original_bytes_per_token_layer=self.original_elements_per_token_layer * b,
-            original_bytes_per_token=orig_tok * b,
+            elements_per_token=self.elements_per_token,
+            bytes_per_token_layer=[e * self.bytes_per_element + scales for e in self.elements_per_token_layer],
+            bytes_per_token=per_tok,
+            original_elements_per_token=self.original_elements_per_token,
+            original_bytes_per_token_layer=orig_tok // self.num_layers,
+            original_bytes_per_token=orig_tok,
             per_token_ratio=orig_tok / per_tok,
-            bytes_per_sequence=per_tok * b * self.tokens_held,
-            original_bytes_per_sequence=orig_tok * b * self.context,
-            ratio=(orig_tok * self.context) / (per_tok * self.tokens_held),
+            bytes_per_sequence=seq,
+            original_bytes_per_sequence=orig_seq,
+            ratio=orig_seq / seq,
+            resident_bytes=this.resident_bytes_at(self.context)["total"],
+            original_resident_bytes=orig.resident_bytes_at(self.context)["total"],
         )
         return d
 
 
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "int8": 1, "fp8": 1}
+def _scale_bytes(shape: CacheShape, context: int) -> int:
+    """The float16 scales of a quantized cache (0 for float caches)."""
+    f = getattr(shape, "scale_bytes_at", None)
+    return int(f(context)) if f is not None else 0
 
 
 def cache_report(spec: ModelSpec, *, model: str = "", mla_ranks: list[int] | None = None, rope_dim: int | None = None,
@@ -74,20 +106,20 @@ def cache_report(spec: ModelSpec, *, model: str = "", mla_ranks: list[int] | Non
         raise BadUsage(f"--budget {budget} must be >= 1")
     if window is not None and window < 1:
         raise BadUsage(f"--window {window} must be >= 1")
-    orig = 2 * spec.num_kv_heads * spec.head_dim
     if mla_ranks is not None:
         if rope_dim is None:
             raise BadUsage("an MLA rank needs --rope-dim D")
+        mla_ranks = [int(r) for r in mla_ranks]
         if len(mla_ranks) == 1:
             mla_ranks = mla_ranks * spec.num_layers
-        per_layer = [int(r) + int(rope_dim) for r in mla_ranks]
-    else:
-        per_layer = [orig] * spec.num_layers
-    held = context if budget is None else min(context, budget + (window or 0))
-    # a static cache is allocated at capacity: budget + window slots whatever the context
-    if budget is not None:
-        held = budget + (window or 0)
-    return CacheReport(model=model, family=spec.family, num_layers=spec.num_layers, dtype=dtype,
-                       bytes_per_element=DTYPE_BYTES[dtype], original_elements_per_token_layer=orig,
-                       elements_per_token_layer=per_layer, context=context, tokens_held=held, budget=budget,
-                       window=window if budget is not None else None, mla=mla)
+    rep = CacheReport(model=model, family=spec.family, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                      head_dim=spec.head_dim, num_heads=spec.num_heads, vocab_size=spec.vocab_size, dtype=dtype,
+                      bytes_per_element=DTYPE_BYTES[dtype], original_elements_per_token_layer=0,
+                      elements_per_token_layer=[], context=context, tokens_held=0, budget=budget,
+                      window=window if budget is not None else None, mla=mla, mla_ranks=mla_ranks,
+                      rope_dim=int(rope_dim or 0) if mla_ranks is not None else 0)
+    this = rep.shape()
+    rep.elements_per_token_layer = this.elements_per_token()
+    rep.original_elements_per_token_layer = rep.shape(original=True).elements_per_token()[0]
+    rep.tokens_held = this.slots(context)
+    return rep

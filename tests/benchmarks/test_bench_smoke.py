@@ -64,25 +64,24 @@ def test_kv_bytes_match_formula_and_allocation(tiny_run):
                 assert c["kv_bytes_measured"] == c["kv_bytes"]
 
 
+#: K/V bytes of one sequence at 16,384 tokens, fp32, by hand: layers x elements per token and layer x 4 bytes x slots.
+#: student: 4 layers, 2·2·32 = 128 elements (MLA 12 + 8 = 20); llama1b: 2 layers, 2·8·64 = 1024 (MLA 128 + 32 = 160);
+#: a press holds budget 256 + window 32 = 288 slots, every other row the whole context (no capacity given).
+KV_BYTES_16K = {
+    "student": {"full": 33_554_432, "press": 589_824, "mla": 5_242_880, "mla_press": 92_160},
+    "llama1b": {"full": 134_217_728, "press": 2_359_296, "mla": 20_971_520, "mla_press": 368_640},
+}
+
+
 @pytest.mark.parametrize("row", list(ROWS))
 @pytest.mark.parametrize("shape", ["student", "llama1b"])
-def test_kv_bytes_agree_with_mla_accounting(row, shape):
-    """rows.Shape.kv_bytes against kvexport.mla.accounting.cache_report, an independent implementation."""
-    from kvexport.mla.accounting import cache_report
-    from kvexport.models.spec import ModelSpec
-
+def test_kv_bytes_by_hand(row, shape):
+    """rows.Shape.kv_bytes (kvexport.profile.kv_bytes) against the numbers written out above."""
     s, r = SHAPES[shape], ROWS[row]
-    spec = ModelSpec(model_type="llama", vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
-                     num_layers=s.layers, num_heads=s.heads, num_kv_heads=s.kv_heads, head_dim=s.head_dim,
-                     rms_norm_eps=1e-5, max_position_embeddings=s.max_positions)
-    ctx = 16384
-    rep = cache_report(spec, mla_ranks=[s.mla_rank] if r.mla else None, rope_dim=s.rope_dim if r.mla else None,
-                       context=ctx,
-                       budget=s.budget if r.press else None, window=s.window if r.press else None,
-                       dtype="float32").to_dict()
-    assert s.kv_bytes(r, ctx) == rep["bytes_per_sequence"]
+    kind = {(False, False): "full", (False, True): "press", (True, False): "mla", (True, True): "mla_press"}
+    assert s.kv_bytes(r, 16384) == KV_BYTES_16K[shape][kind[r.mla, r.press is not None]]
     if r.mla:
-        assert rep["per_token_ratio"] == pytest.approx(6.4)
+        assert s.mla_ratio() == pytest.approx(6.4)
 
 
 def test_mla_budget_goal_is_analytically_reachable():

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Analytic KV bytes against the buffers kvexport really allocates and against kvexport.mla's accounting."""
+"""Analytic KV bytes against the buffers kvexport really allocates and against numbers computed by hand."""
 
 from __future__ import annotations
 
@@ -41,21 +41,20 @@ def test_mla_bytes_equal_allocated_cache(tiny_models):
     assert shape.bytes_per_token() == s.num_layers * (16 + 8) * 4
 
 
-@pytest.mark.parametrize("rank,ratio", [(48, 12.8), (64, 10.67), (128, 6.4), (256, 3.56), (512, 1.88)])
-def test_llama_1b_ratios_match_mla_accounting(rank, ratio):
-    """Llama-3.2-1B shape (16 layers, 8 KV heads, head 64), d_rope 32: REFERENCE.md's table."""
+#: Llama-3.2-1B shape (16 layers, 8 KV heads, head 64), d_rope 32, fp32: r_kv -> bytes per token (16 x (r + 32) x 4)
+#: and REFERENCE.md's ratio against 16 x 1024 x 4 = 65,536
+LLAMA_1B = {48: (5_120, 12.8), 64: (6_144, 10.67), 128: (10_240, 6.4), 256: (18_432, 3.56), 512: (34_816, 1.88)}
+
+
+@pytest.mark.parametrize("rank", sorted(LLAMA_1B))
+def test_llama_1b_mla_bytes_by_hand(rank):
+    per_token, ratio = LLAMA_1B[rank]
     shape = CacheShape(16, 8, 64, (rank,) * 16, 32)
     t = cache_table(shape, [4096])
+    assert shape.bytes_per_token() == t["bytes_per_token"] == per_token
+    assert t["baseline_bytes_per_token"] == 65_536
+    assert shape.bytes_at(4096) == 4096 * per_token
     assert t["per_token_ratio"] == pytest.approx(ratio, abs=0.01)
-    from kvexport.mla import accounting as acc
-    from kvexport.models.spec import ModelSpec
-    from kvexport.models.tiny import tiny_config
-
-    spec = ModelSpec.from_hf_config(tiny_config("llama", hidden_size=2048, layers=16, heads=32, kv_heads=8,
-                                                head_dim=64))
-    rep = acc.cache_report(spec, mla_ranks=[rank], rope_dim=32, context=4096, dtype="float32").to_dict()
-    assert rep["bytes_per_token"] == shape.bytes_per_token()
-    assert rep["per_token_ratio"] == pytest.approx(t["per_token_ratio"])
 
 
 def test_static_budget_table():
