@@ -125,7 +125,8 @@ def inspect_cmd(
     cache_dtype: Optional[str] = typer.Option(None, "--dtype", help="Cache element type (default: the model's)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Cache size per token, layer and sequence, and the ratio against the original (uncompressed) cache."""
+    """Cache size per token, layer and sequence, resident bytes (every buffer a static runtime holds: cache,
+    positions, the press's query ring, logits), and the ratio against the original (uncompressed) cache."""
     from kvexport.errors import BadUsage
     from kvexport.mla.accounting import cache_report
 
@@ -174,6 +175,7 @@ def inspect_cmd(
     t.add_row("bytes / token (all layers)", f"{d['original_bytes_per_token']:,}", f"{d['bytes_per_token']:,}")
     t.add_row(f"tokens held at context {context}", f"{context:,}", f"{d['tokens_held']:,}")
     t.add_row("bytes / sequence", f"{d['original_bytes_per_sequence']:,}", f"{d['bytes_per_sequence']:,}")
+    t.add_row("resident bytes / sequence", f"{d['original_resident_bytes']:,}", f"{d['resident_bytes']:,}")
     t.add_row("ratio", "1.00x", f"{d['ratio']:.2f}x (per token {d['per_token_ratio']:.2f}x)")
     Console().print(t)
 

@@ -84,3 +84,25 @@ def test_inspect_energy_uses_the_weights(tmp_path):
     plans = rewrite_to_mla(load_decoder(tmp_path / "hf")[0], MLASettings(energy=0.7, rope_dim=8)).mla_plans
     assert d["elements_per_token_layer"] == [p.kv_rank + 8 for p in plans]
     assert d["mla"]["energy"] == 0.7
+
+
+def test_report_by_hand_and_inspect_text(llama_1b_dir):
+    """Numbers written out: r_kv 224 + d_rope 32 = 256 of 1024 elements, bf16, 16 layers, context 2048.
+    K/V 2048 x 16 x 256 x 2 = 16,777,216 bytes (original 67,108,864); resident adds the int64 positions of a
+    growing cache, 2048 x 8 = 16,384. With budget 480 + window 32 the MLA cache holds 512 slots: 4,194,304 bytes."""
+    from kvexport.models.spec import ModelSpec
+
+    spec = ModelSpec.from_hf_config(__import__("transformers").AutoConfig.from_pretrained(llama_1b_dir))
+    d = cache_report(spec, mla_ranks=[224], rope_dim=32, context=2048, dtype="bfloat16").to_dict()
+    assert (d["bytes_per_token"], d["original_bytes_per_token"]) == (8_192, 32_768)
+    assert (d["bytes_per_sequence"], d["original_bytes_per_sequence"]) == (16_777_216, 67_108_864)
+    assert (d["resident_bytes"], d["original_resident_bytes"]) == (16_793_600, 67_125_248)
+    assert d["ratio"] == d["per_token_ratio"] == 4.0
+    b = cache_report(spec, mla_ranks=[224], rope_dim=32, context=8192, budget=480, window=32, dtype="bfloat16")
+    assert b.tokens_held == 512 and b.to_dict()["bytes_per_sequence"] == 4_194_304
+    res = CliRunner().invoke(app, ["inspect", str(llama_1b_dir), "--mla-rank", "224", "--rope-dim", "32",
+                                   "--context", "2048"], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    assert "4.00x (per token 4.00x)" in res.output
+    assert "resident bytes / sequence" in res.output
+    assert "16,793,600" in res.output and "67,125,248" in res.output
