@@ -3,13 +3,15 @@
 
 Layout::
 
-    kvexport_mla.json    format, version, rewrite settings, per-layer plans, ModelSpec, the original HF config
+    kvexport_mla.json    format, version, rewrite settings, per-layer plans, ModelSpec, the original HF config,
+                         source_model (absolute path of the HF directory it was rewritten from, or null)
     model.safetensors    the Decoder's state dict (tied embeddings stored once)
     tokenizer*.json ...  copied from the source model directory when it has one
     manifest.json        sha256 of every file above (kvexport.export.manifest, kind "mla-model")
 
 Writes go to a temporary sibling directory that is renamed into place at the end, so a failure never
-leaves a half-written model. :func:`load_mla` checks the files against the manifest first and refuses a
+leaves a half-written model; the directory and its files get the modes of the user's umask
+(:func:`kvexport.atomic.user_mode`), not the 0700 of a temporary directory. :func:`load_mla` checks the files against the manifest first and refuses a
 missing, altered or foreign file (BadArtifact); a distill ``--out`` may also hold its working files
 (checkpoints/, the log and the summary).
 """
@@ -54,7 +56,24 @@ def is_mla_dir(path: str | Path) -> bool:
     return p.is_dir() and (p / MLA_CONFIG).is_file()
 
 
-def mla_config_dict(dec, hf_config: dict[str, Any] | None = None) -> dict[str, Any]:
+def _hf_dir(path) -> Path | None:
+    """``path`` resolved when it is an HF model directory (config.json, not an MLA directory), else None."""
+    if path is None:
+        return None
+    p = Path(path)
+    return p.resolve() if p.is_dir() and (p / "config.json").is_file() and not is_mla_dir(p) else None
+
+
+def source_model(path: str | Path) -> Path | None:
+    """The original HF directory an MLA directory records (``source_model``), when it still exists."""
+    try:
+        src = read_mla_config(path).get("source_model")
+    except BadArtifact:
+        return None
+    return _hf_dir(src)
+
+
+def mla_config_dict(dec, hf_config: dict[str, Any] | None = None, source: str | Path | None = None) -> dict[str, Any]:
     settings: MLASettings = dec.mla_settings
     return {
         "format": FORMAT,
@@ -64,13 +83,22 @@ def mla_config_dict(dec, hf_config: dict[str, Any] | None = None) -> dict[str, A
         "spec": dec.spec.to_dict(),
         "dtype": str(next(dec.parameters()).dtype).removeprefix("torch."),
         "hf_config": hf_config or getattr(dec, "hf_config", None) or {},
+        "source_model": str(source) if source is not None else None,
     }
 
 
 def save_mla(dec, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
-             hf_config: dict[str, Any] | None = None, overwrite: bool = False) -> Path:
-    """Write an MLA Decoder (from :func:`~kvexport.mla.rewrite.rewrite_to_mla` or :func:`load_mla`) to ``out_dir``."""
+             hf_config: dict[str, Any] | None = None, overwrite: bool = False,
+             source: str | Path | None = None) -> Path:
+    """Write an MLA Decoder (from :func:`~kvexport.mla.rewrite.rewrite_to_mla` or :func:`load_mla`) to ``out_dir``.
+
+    ``source``: the original HF directory, recorded as ``source_model`` (what validate's fidelity check compares
+    with); default: the one the decoder carries (``dec.source_model``: set by the rewrite and by load_mla), else
+    ``tokenizer_dir`` when that is an HF directory.
+    """
     from safetensors.torch import save_model
+
+    from kvexport.atomic import user_mode
 
     if not hasattr(dec, "mla_plans"):
         raise BadUsage("this decoder is not an MLA model (rewrite it with kvexport.mla.rewrite_to_mla first)")
@@ -80,7 +108,8 @@ def save_mla(dec, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        cfg = mla_config_dict(dec, hf_config)
+        src_model = _hf_dir(source) or _hf_dir(getattr(dec, "source_model", None)) or _hf_dir(tokenizer_dir)
+        cfg = mla_config_dict(dec, hf_config, src_model)
         (tmp / MLA_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
         save_model(dec, str(tmp / "model.safetensors"), metadata={"format": "pt", "kvexport": FORMAT})
         src = Path(tokenizer_dir) if tokenizer_dir is not None else getattr(dec, "source_dir", None)
@@ -92,6 +121,7 @@ def save_mla(dec, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
 
         write_manifest(tmp, MANIFEST_KIND, {"mla": cfg["settings"], "kv_ranks": [lp["kv_rank"] for lp in cfg["layers"]],
                                             "dtype": cfg["dtype"]})
+        user_mode(tmp)  # mkdtemp made it 0700
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -99,6 +129,7 @@ def save_mla(dec, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     dec.source_dir = out
+    dec.source_model = src_model
     return out
 
 
@@ -163,4 +194,5 @@ def load_mla(path: str | Path, dtype: str | torch.dtype | None = None, device: s
         if hasattr(m, "inv_freq"):
             m.inv_freq.data = m.inv_freq.data.float()
     dec.source_dir = p
+    dec.source_model = _hf_dir(cfg.get("source_model"))
     return dec.eval()

@@ -224,6 +224,8 @@ def rewrite_to_mla(model, settings: MLASettings, calibration_ids: torch.Tensor |
         import json
 
         new.hf_config = json.loads(model.config.to_json_string())  # type: ignore[attr-defined]
+    src = getattr(dec, "source_dir", None) or getattr(model, "name_or_path", None)
+    new.source_model = str(src) if src else None  # type: ignore[attr-defined]  # recorded by save_mla
     new.mla_settings = settings  # type: ignore[attr-defined]
     new.mla_plans = plans  # type: ignore[attr-defined]
     return new.eval()

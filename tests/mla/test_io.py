@@ -94,3 +94,55 @@ def test_cli_rewrite_matches_api(tmp_path):
         assert torch.equal(ref(ids, pos), back(ids, pos))
     assert (tmp_path / "mla" / "tokenizer.json").is_file()
     assert json.loads((tmp_path / "mla" / "kvexport_mla.json").read_text())["hf_config"]["model_type"] == "qwen2"
+
+
+def _modes(root):
+    import stat
+
+    return {p.relative_to(root).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in [root, *root.rglob("*")]}
+
+
+@pytest.mark.parametrize("mask,file_mode,dir_mode", [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)])
+def test_saved_files_follow_the_umask(tmp_path, mask, file_mode, dir_mode):
+    """The directory and every file get the modes the user's umask gives (not mkdtemp's 0700), copied
+    tokenizer files included."""
+    import os
+
+    from tests.mla.distill_fixtures import model_dir
+
+    src = model_dir(tmp_path / "hf")
+    os.chmod(src / "tokenizer.json", 0o600)
+    old = os.umask(mask)
+    try:
+        dec, _ = load_decoder(src)
+        out = save_mla(rewrite_to_mla(dec, MLASettings(kv_rank=16, rope_dim=8)), tmp_path / "m", tokenizer_dir=src)
+    finally:
+        os.umask(old)
+    got = _modes(out)
+    assert "tokenizer.json" in got and "model.safetensors" in got
+    for name, mode in got.items():
+        want = dir_mode if (out / name).is_dir() else file_mode
+        assert mode == want, f"{name}: {oct(mode)} != {oct(want)}"
+
+
+def test_source_model_is_recorded_and_carried(tmp_path):
+    """kvexport_mla.json records the original HF directory (absolute): from the CLI rewrite, from save_mla's
+    tokenizer_dir, and through load_mla -> save_mla (a distilled copy); None for a model without a directory."""
+    from kvexport.cli import main
+    from kvexport.mla.io import source_model
+    from kvexport.models.tiny import tiny_model
+    from tests.mla.distill_fixtures import model_dir
+
+    src = model_dir(tmp_path / "hf")
+    assert main(["rewrite", str(src), "--mla-rank", "16", "--rope-dim", "8", "--out", str(tmp_path / "a")]) == 0
+    cfg = json.loads((tmp_path / "a" / "kvexport_mla.json").read_text())
+    assert cfg["source_model"] == str(src.resolve())
+    assert source_model(tmp_path / "a") == src.resolve()
+    again = save_mla(load_mla(tmp_path / "a"), tmp_path / "b")  # no tokenizer_dir: the loaded model's record
+    assert source_model(again) == src.resolve()
+    dec, _ = load_decoder(src)
+    save_mla(rewrite_to_mla(dec, MLASettings(kv_rank=16, rope_dim=8)), tmp_path / "c", tokenizer_dir=src)
+    assert source_model(tmp_path / "c") == src.resolve()
+    save_mla(rewrite_to_mla(tiny_model("llama"), MLASettings(kv_rank=16, rope_dim=8)), tmp_path / "d")
+    assert json.loads((tmp_path / "d" / "kvexport_mla.json").read_text())["source_model"] is None
+    assert source_model(tmp_path / "d") is None and source_model(tmp_path / "nope") is None
