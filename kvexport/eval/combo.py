@@ -8,7 +8,7 @@ context tokens holds ``b``; an MLA latent cache holds ``r_kv + d_rope`` elements
 counted. For each target compression x (memory = full / x):
 
 - eviction alone: the original model, a press keeping ``b = round(P / x)`` tokens;
-- MLA alone: the distilled MLA student whose per-token ratio is x (no eviction);
+- MLA alone: the distilled MLA student whose per-token ratio is x (no eviction), labelled ``MLA r_kv+d_rope``;
 - MLA + eviction: each distilled MLA student of per-token ratio y < x, with a press keeping
   ``b = round(P · y / x)`` tokens of its latent cache.
 
@@ -43,12 +43,12 @@ def combo_plan(context_len: int, orig: int, plan: dict, targets, press: str) -> 
         x = p["ratio"]  # the MLA point's exact ratio: every row of this target holds the same memory
         rows.append({"target": x, "method": f"eviction ({press})", "mla": None, "kv_rank": None,
                      "per_token_layer": orig, "kept": round(P / x)})
-        rows.append({"target": x, "method": f"MLA r_kv={p['kv_rank']}", "mla": t, "kv_rank": p["kv_rank"],
+        rows.append({"target": x, "method": f"MLA {p['kv_rank']}+{p['rope_dim']}", "mla": t, "kv_rank": p["kv_rank"],
                      "per_token_layer": p["kv_rank"] + p["rope_dim"], "kept": P})
         for y in sorted(plan):
             q = plan[y]
             if y < t and q["ratio"] < x * 0.95:
-                rows.append({"target": x, "method": f"MLA r_kv={q['kv_rank']} + eviction ({press})", "mla": y,
+                rows.append({"target": x, "method": f"MLA {q['kv_rank']}+{q['rope_dim']} + eviction ({press})", "mla": y,
                              "kv_rank": q["kv_rank"], "per_token_layer": q["kv_rank"] + q["rope_dim"],
                              "kept": round(P * q["ratio"] / x)})
     return rows

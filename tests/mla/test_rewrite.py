@@ -61,7 +61,8 @@ def test_exact_at_the_gqa_cache_size(family, heads, kv_heads):
 
 @pytest.mark.parametrize("heads,kv_heads", GQA, ids=[f"gqa{h // k}" for h, k in GQA])
 def test_qwen3_k_norm_is_exact(heads, kv_heads):
-    """Qwen3's per-head k_norm runs inside the module, so the rewrite stays exact (n_kv · D <= hidden here)."""
+    """Qwen3's per-head k_norm runs inside the module, so the rewrite stays exact (its tiny head_dim is 128, so
+    n_kv · D > hidden and the exact row is n_kv · D + hidden, below the GQA cache)."""
     hf = tiny_model("qwen3", heads=heads, kv_heads=kv_heads, seed=2)
     dec = Decoder.from_hf(hf)
     mla = rewrite_to_mla(dec, exact_settings(dec.spec))
