@@ -31,13 +31,16 @@ import torch
 from torch import nn
 
 from kvexport.cache.candidates import keep_best
-from kvexport.cache.static_cache import ScoreContext
+from kvexport.cache.formats import kv_format, layer_fields
+from kvexport.cache.quant import QuantizedRows, decode, encode, storage_dtype
+from kvexport.cache.static_cache import ScoreContext, dtype_name
+from kvexport.errors import BadUsage
 from kvexport.export import ops
 
 
 @dataclass(frozen=True)
 class LayerShape:
-    """Cache shape of one layer."""
+    """Cache shape of one layer; ``kv_dtype``: how its K/V are stored (:mod:`kvexport.cache.formats`)."""
 
     heads: int  # Hc
     key_dim: int
@@ -46,20 +49,44 @@ class LayerShape:
     q_dim: int
     budget: int
     capacity: int
+    kv_dtype: str = "fp32"
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The layer's cache tensors in graph order: k, v, pos (and the scales ks, vs of a quantized format)."""
+        return layer_fields(self.value_dim, kv_format(self.kv_dtype))
 
 
-def layer_shapes(decoder, budgets: list[int], window: int) -> list[LayerShape]:
+def check_kv_dtype(kv_dtype: str | None, dtype: str, dynamic_cache: bool = False) -> str:
+    """An export's ``--kv-dtype`` (None: the export's ``--dtype``) -> its name; one line where it cannot be used."""
+    fmt = kv_format(kv_dtype, dtype)
+    if dynamic_cache and fmt.name != dtype:
+        raise BadUsage(f"--kv-dtype {fmt.name} needs a static cache; --dynamic-cache is the growing-past baseline "
+                       f"in the export's --dtype ({dtype})")
+    return fmt.name
+
+
+def layer_shapes(decoder, budgets: list[int], window: int, kv_dtype: str | None = None) -> list[LayerShape]:
     out = []
+    kv = kv_format(kv_dtype, dtype_name(next(decoder.parameters()).dtype)).name
     for b, layer in zip(budgets, decoder.layers, strict=True):
         a = layer.self_attn
         out.append(LayerShape(a.cache_heads, a.key_dim, a.value_dim, a.num_heads,
-                              getattr(a, "score_dim", a.head_dim), b, b + window))
+                              getattr(a, "score_dim", a.head_dim), b, b + window, kv))
     return out
 
 
-def kv_names(n_layers: int, prefix: str = "") -> list[str]:
-    """Graph I/O names of the K/V/position tensors, in graph order (``prefix``: "" for the cache, "kept_")."""
-    return [f"{prefix}{t}_{i}" for i in range(n_layers) for t in ("k", "v", "pos")]
+def _layer_fields(layers) -> list[tuple[str, ...]]:
+    """Per layer: its cache fields (``layers``: a count = unquantized k, v, pos; or the LayerShapes)."""
+    if isinstance(layers, int):
+        return [("k", "v", "pos")] * layers
+    return [s.fields for s in layers]
+
+
+def kv_names(layers, prefix: str = "") -> list[str]:
+    """Graph I/O names of the cache tensors (k, v, pos, and scales), in graph order (``prefix``: "" for the cache,
+    "kept_" for a compaction's output). ``layers``: the LayerShapes (or a count: k, v, pos only)."""
+    return [f"{prefix}{t}_{i}" for i, fields in enumerate(_layer_fields(layers)) for t in fields]
 
 
 def query_names(n_layers: int) -> list[str]:
@@ -67,24 +94,74 @@ def query_names(n_layers: int) -> list[str]:
     return [f"qbuf_{i}" for i in range(n_layers)] + ["qpos"]
 
 
-def new_names(n_layers: int, with_queries: bool) -> list[str]:
-    """Graph names of a step's new rows, in graph order."""
-    per = ("k_new", "v_new", "q_new") if with_queries else ("k_new", "v_new")
-    return [f"{t}_{i}" for i in range(n_layers) for t in per]
+def new_fields(fields: tuple[str, ...], with_queries: bool, full_rows: bool = False) -> tuple[str, ...]:
+    """A layer's new-row outputs: the stored fields but positions (``k_new`` ``v_new`` ``ks_new`` ``vs_new``), the
+    press's queries ``q_new``, and with ``full_rows`` the rows before storage (``kf_new`` ``vf_new``: what a
+    prefill compaction scores when the cache format is lossy)."""
+    return (*(f for f in fields if f != "pos"), *(("q",) if with_queries else ()), *(("kf", "vf") if full_rows else ()))
+
+
+def new_names(layers, with_queries: bool, full_rows: bool = False) -> list[str]:
+    """Graph names of a step's new rows, in graph order (``layers``: LayerShapes or a count)."""
+    return [f"{t}_new_{i}" for i, fields in enumerate(_layer_fields(layers))
+            for t in new_fields(fields, with_queries, full_rows)]
+
+
+def cache_examples(shapes: list[LayerShape], batch: int, dtype) -> list:
+    """Example cache tensors of every layer, in graph order (empty slots: position -1)."""
+    out = []
+    for s in shapes:
+        store = storage_dtype(kv_format(s.kv_dtype))
+        t = {"k": torch.zeros(batch, s.heads, s.capacity, s.key_dim, dtype=store),
+             "v": torch.zeros(batch, s.heads, s.capacity, s.value_dim, dtype=store),
+             "pos": torch.full((batch, s.heads, s.capacity), -1, dtype=torch.long),
+             "ks": torch.zeros(batch, s.heads, s.capacity, dtype=torch.float16),
+             "vs": torch.zeros(batch, s.heads, s.capacity, dtype=torch.float16)}
+        out += [t[f] for f in s.fields]
+    return out
 
 
 class _CacheGraph(nn.Module):
-    def __init__(self, decoder, press, budgets: list[int], window: int):
+    def __init__(self, decoder, press, budgets: list[int], window: int, kv_dtype: str | None = None):
         super().__init__()
         self.decoder = decoder
         self.press = press
         self.budgets = list(budgets)
         self.window = int(window)
-        self.shapes = layer_shapes(decoder, self.budgets, self.window)
+        self.shapes = layer_shapes(decoder, self.budgets, self.window, kv_dtype)
+        self.fmt = kv_format(self.shapes[0].kv_dtype)
+        self.dtype = next(decoder.parameters()).dtype
+        self.lossy = self.fmt.quantized or storage_dtype(self.fmt) != self.dtype
 
-    def split_kv(self, cache):
-        """Flat k/v/pos tuple -> per-layer (k, v, pos)."""
-        return [tuple(cache[3 * i : 3 * i + 3]) for i in range(len(self.shapes))]
+    def split_kv(self, cache) -> list[dict]:
+        """Flat cache tensors -> per layer {field: tensor} (k, v, pos, and ks / vs)."""
+        out, at = [], 0
+        for s in self.shapes:
+            out.append(dict(zip(s.fields, cache[at : at + len(s.fields)], strict=True)))
+            at += len(s.fields)
+        return out
+
+    def n_cache(self) -> int:
+        return sum(len(s.fields) for s in self.shapes)
+
+    def stored(self, t: dict) -> tuple:
+        """A layer's tensors as stored: (k, v, k_scale or None, v_scale or None)."""
+        return t["k"], t["v"], t.get("ks"), t.get("vs")
+
+    def scored(self, t: dict) -> tuple:
+        """A layer's cache as the PyTorch cache's presses score it and attention reads it: model dtype."""
+        if not self.lossy:
+            return t["k"], t["v"], t["pos"]
+        return (decode(t["k"], t.get("ks"), self.fmt, self.dtype), decode(t["v"], t.get("vs"), self.fmt, self.dtype),
+                t["pos"])
+
+    def read(self, i: int, t: dict) -> tuple:
+        """What layer i's attention is handed (as :meth:`kvexport.cache.static_cache.LayerCache.view` does)."""
+        attn = self.decoder.layers[i].self_attn
+        if self.fmt.quantized and getattr(attn, "reads_quantized", False):
+            return (QuantizedRows(t["k"], t["ks"], self.fmt), decode(t["v"], t.get("vs"), self.fmt, self.dtype),
+                    t["pos"])
+        return self.scored(t)
 
     def make_inputs(self, i: int):
         attn = self.decoder.layers[i].self_attn
@@ -92,22 +169,41 @@ class _CacheGraph(nn.Module):
                            num_layers=len(self.shapes), sliding_window=getattr(attn, "sliding_window", None))
         return ctx.inputs(self.shapes[i].budget)
 
-    def keep(self, i: int, k, v, pos, queries, q_positions, fill, n_pad):
-        """Raw layout [cache (cap_i) ; columns] -> the best budget_i (B, Hc, budget_i, .) (plan rules 3 and 5)."""
+    def keep(self, i: int, k, v, pos, queries, q_positions, fill, n_pad, stored=None) -> list:
+        """Raw layout [cache (cap_i) ; columns] -> the best budget_i (B, Hc, budget_i, .) (plan rules 3 and 5), as
+        the layer's cache fields (kept codes and scales gathered from ``stored`` for a lossy format)."""
         s = self.shapes[i]
-        return keep_best(self.press, self.make_inputs(i), k, v, pos, queries, q_positions, fill, n_pad, s.capacity,
-                         s.budget, s.budget, topk=ops.topk_gather)
+        got = keep_best(self.press, self.make_inputs(i), k, v, pos, queries, q_positions, fill, n_pad, s.capacity,
+                        s.budget, s.budget, topk=ops.topk_gather, stored=stored)
+        named = dict(zip(("k", "v", "pos", "ks", "vs"), got, strict=False))
+        return [named[f] for f in s.fields]
 
-    def step(self, input_ids, positions, cache):
+    def encode_new(self, k_new, v_new, q_score, full_rows: bool) -> list:
+        """A step's new rows as the host writes them: stored k / v (and scales), the press's queries, and with
+        ``full_rows`` the rows before storage."""
+        k, ks = encode(k_new, self.fmt)
+        v, vs = encode(v_new, self.fmt)
+        named = {"k": k, "v": v, "ks": ks, "vs": vs, "q": q_score, "kf": k_new, "vf": v_new}
+        return [named[f] for f in new_fields(self.shapes[0].fields, q_score is not None, full_rows)]
+
+    def step(self, input_ids, positions, cache, full_rows: bool = False):
         """Run the tokens through every layer over the cache -> final hidden (B, T, H) and the new rows."""
         h = self.decoder.embed_tokens(input_ids)
         new = []
-        for layer, (k, v, pos) in zip(self.decoder.layers, self.split_kv(cache), strict=True):
-            h, k_new, v_new, q_pre = layer(h, positions, k, v, pos)
-            new += [k_new, v_new]
-            if self.press is not None:
-                new.append(layer.self_attn.score_queries(q_pre))
+        for i, (layer, t) in enumerate(zip(self.decoder.layers, self.split_kv(cache), strict=True)):
+            h, k_new, v_new, q_pre = layer(h, positions, *self.read(i, t))
+            q = layer.self_attn.score_queries(q_pre) if self.press is not None else None
+            new += self.encode_new(k_new, v_new, q, full_rows)
         return h, new
+
+    def split_new(self, new, full_rows: bool) -> list[dict]:
+        """Flat new rows (as :meth:`step` returns them) -> per layer {field: tensor}."""
+        out, at = [], 0
+        for s in self.shapes:
+            names = new_fields(s.fields, self.press is not None, full_rows)
+            out.append(dict(zip(names, new[at : at + len(names)], strict=True)))
+            at += len(names)
+        return out
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.decoder.lm_head(self.decoder.norm(h))
@@ -115,15 +211,20 @@ class _CacheGraph(nn.Module):
 
 class PrefillChunk(_CacheGraph):
     """One chunk of exactly C columns (padding: position -1). Inputs: input_ids (B, C) int64, positions (B, C)
-    int64, then k/v/pos of every layer. Outputs: logits (B, V) of the last column, then the chunk's new rows."""
+    int64, then the cache tensors of every layer. Outputs: logits (B, V) of the last column, then the chunk's new
+    rows (with a press and a lossy format also the rows before storage, which ``compact_prefill`` scores)."""
+
+    @property
+    def full_rows(self) -> bool:
+        return self.press is not None and self.lossy
 
     def forward(self, input_ids, positions, *cache):
-        h, new = self.step(input_ids, positions, cache)
+        h, new = self.step(input_ids, positions, cache, self.full_rows)
         return (self.head(h[:, -1]), *new)
 
 
 class DecodeStep(_CacheGraph):
-    """One token per row. Inputs: input_ids (B, 1), positions (B, 1), then k/v/pos of every layer. Outputs:
+    """One token per row. Inputs: input_ids (B, 1), positions (B, 1), then the cache tensors of every layer. Outputs:
     logits (B, V), then the token's new rows (B, Hc, 1, .) (and its query (B, Hq, 1, Dq) with a press)."""
 
     def forward(self, input_ids, positions, *cache):
@@ -132,34 +233,43 @@ class DecodeStep(_CacheGraph):
 
 
 class CompactPrefill(_CacheGraph):
-    """A prefill chunk's compaction. Inputs: fill (L,), n_pad (1,), positions (B, C), then k/v/pos of every layer,
-    then the chunk's new rows (as PrefillChunk returns them). Outputs: kept k/v/pos (B, Hc, budget_i, .)."""
+    """A prefill chunk's compaction. Inputs: fill (L,), n_pad (1,), positions (B, C), then the cache tensors of
+    every layer, then the chunk's new rows (as PrefillChunk returns them). Outputs: the kept cache tensors
+    (B, Hc, budget_i, .). With a lossy format the press scores the cache as stored and the chunk's rows before
+    storage; the kept codes are gathered, not quantized again."""
 
     def forward(self, fill, n_pad, positions, *rest):
-        L = len(self.shapes)
-        cache, new = rest[: 3 * L], rest[3 * L :]
+        n = self.n_cache()
+        full = self.lossy
         B, C = positions.shape
         out = []
-        for i, (k, v, pos) in enumerate(self.split_kv(cache)):
-            k_new, v_new, q_new = new[3 * i : 3 * i + 3]
-            new_pos = positions[:, None, :].expand(B, k.shape[1], C)
-            out += list(self.keep(i, torch.cat([k, k_new], dim=2), torch.cat([v, v_new], dim=2),
-                                  torch.cat([pos, new_pos], dim=2), q_new, positions, fill[i], n_pad[0]))
+        for i, (t, r) in enumerate(zip(self.split_kv(rest[:n]), self.split_new(rest[n:], full), strict=True)):
+            new_pos = positions[:, None, :].expand(B, t["k"].shape[1], C)
+            k0, v0, _ = self.scored(t)
+            kf, vf = (r["kf"], r["vf"]) if full else (r["k"], r["v"])
+            stored = None
+            if self.lossy:
+                new_stored = (r["k"], r["v"], r.get("ks"), r.get("vs"))
+                stored = tuple(None if a is None else torch.cat([a, b], dim=2)
+                               for a, b in zip(self.stored(t), new_stored, strict=True))
+            out += self.keep(i, torch.cat([k0, kf], dim=2), torch.cat([v0, vf], dim=2),
+                             torch.cat([t["pos"], new_pos], dim=2), r["q"], positions, fill[i], n_pad[0], stored)
         return tuple(out)
 
 
 class Compact(_CacheGraph):
     """Decode-time compaction of every layer: all slots scored with the ring read oldest first.
-    Inputs: fill (L,), query_start (1,), then k/v/pos of every layer and the ring. Outputs: kept k/v/pos."""
+    Inputs: fill (L,), query_start (1,), then the cache tensors of every layer and the ring. Outputs: the kept
+    cache tensors."""
 
     def forward(self, fill, query_start, *cache):
-        L = len(self.shapes)
+        L, n = len(self.shapes), self.n_cache()
         order = torch.remainder(query_start[0] + torch.arange(self.window, device=fill.device), self.window)
-        qpos = cache[4 * L].index_select(1, order)
+        qpos = cache[n + L].index_select(1, order)
         out = []
-        for i, (k, v, pos) in enumerate(self.split_kv(cache)):
-            queries = cache[3 * L + i].index_select(2, order)
-            out += list(self.keep(i, k, v, pos, queries, qpos, fill[i], 0))
+        for i, t in enumerate(self.split_kv(cache[:n])):
+            queries = cache[n + i].index_select(2, order)
+            out += self.keep(i, *self.scored(t), queries, qpos, fill[i], 0, self.stored(t) if self.lossy else None)
         return tuple(out)
 
 

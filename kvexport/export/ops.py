@@ -6,23 +6,40 @@ PyTorch side: ``torch.ops.kvexport.topk_gather`` / ``torch.ops.kvexport.latent_a
 (:func:`kvexport.cache.static_cache.select_kept` + ``gather_slots``; the absorbed MLA attention of
 DeepSeek-V2 / X-EcoMLA).
 
-ONNX side: nodes ``kvexport::TopKGather`` / ``kvexport::LatentAttention`` (op version 1, carrying
-``plugin_namespace`` / ``plugin_version`` for TensorRT's parser), an :class:`onnx.defs.OpSchema` per op
-so ``onnx.checker.check_model(full_check=True)`` passes, and a model-local ``FunctionProto`` per op built
-from opset-18 standard ops so onnxruntime and ``onnx.reference`` run the file without a plugin.
+ONNX side: nodes ``kvexport::TopKGather`` / ``kvexport::LatentAttention`` (domain op version 2, carrying
+``plugin_namespace`` / ``plugin_version`` for TensorRT's parser: :func:`plugin_version`), an :class:`onnx.defs.OpSchema` per op and version so ``onnx.checker.check_model(full_check=True)`` passes
+(version 1 stays registered: graphs importing the domain at 1 still check), and a model-local ``FunctionProto`` per
+op built from opset-18 standard ops so onnxruntime and ``onnx.reference`` run the file without a plugin.
+
+Version 2: TopKGather also gathers uint8 (quantized caches' codes) and bfloat16 rows; LatentAttention takes this
+step's rows as a second part (``new_latent``, attended in the same softmax without concatenating it to the cache)
+and a quantized cache (uint8 codes + float16 ``latent_scale``, ``latent_format`` 1 int8 / 2 fp8, dequantized on
+load; :mod:`kvexport.cache.quant`).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import onnx
 import torch
 from onnx import defs, helper
 
 DOMAIN = "kvexport"
-OP_VERSION = 1
+OP_VERSION = 2
 OPSET = 18  # default-domain opset of every exported graph and of the function bodies
 PLUGIN_NAMESPACE = "kvexport"
+#: TensorRT plugin version of the node signatures the plugin library (plugins/) implements: TopKGather "1" (float
+#: rows and, since domain version 2, uint8 codes: a widening, old graphs still match), LatentAttention "1" (four
+#: inputs, a float latent: every node the exporter writes; a quantized latent is dequantized by standard ops before
+#: it). A LatentAttention node with the version-2 inputs (``new_latent``, ``latent_scale`` / ``latent_format``) is
+#: plugin version "2", which no plugin registers yet (op_support flags it; docs/quantized.md).
 PLUGIN_VERSION = "1"
+PLUGIN_VERSIONS = {"TopKGather": "1", "LatentAttention": "1"}
+#: plugin versions the library registers, per op
+PLUGIN_REGISTERED = {"TopKGather": ("1",), "LatentAttention": ("1",)}
+#: LatentAttention ``latent_format`` codes (kvexport.cache.formats.KVFormat.code)
+LATENT_FORMATS = {0: "float", 1: "int8", 2: "fp8"}
 
 
 # ----------------------------------------------------------------------------- PyTorch ops
@@ -49,85 +66,133 @@ def _topk_gather_fake(scores, keys, values, positions, k):
             positions.new_empty(B, H, k), positions.new_empty(B, H, k))
 
 
+def _latent_values(latent, latent_scale, latent_format: int, dtype):
+    """The cache part's rows in q's dtype: the latent itself, or its codes dequantized (kvexport.cache.quant)."""
+    if not latent_format:
+        return latent
+    from kvexport.cache.formats import FORMATS
+    from kvexport.cache.quant import dequantize
+
+    if latent_format not in LATENT_FORMATS or latent.dtype != torch.uint8 or latent_scale is None:
+        raise ValueError(f"latent_format {latent_format} needs uint8 codes and a float16 latent_scale "
+                         f"(formats: {LATENT_FORMATS})")
+    return dequantize(latent, latent_scale, FORMATS[LATENT_FORMATS[latent_format]], dtype)
+
+
 def latent_attention_reference(q: torch.Tensor, latent: torch.Tensor, q_positions: torch.Tensor,
-                               latent_positions: torch.Tensor, rank: int, scale: float):
+                               latent_positions: torch.Tensor, rank: int, scale: float,
+                               new_latent: torch.Tensor | None = None, latent_scale: torch.Tensor | None = None,
+                               latent_format: int = 0):
     """Absorbed multi-head latent attention (DeepSeek-V2 "absorb" mode; X-EcoMLA, AMD 2025).
 
     q (B, Hq, T, R+Dr) absorbed queries ``[W_UK,iᵀ q_nope ; RoPE(q_pe)]``, latent (B, S, R+Dr) cache rows
     ``[c_kv ; RoPE(k_pe)]``, q_positions (B, T), latent_positions (B, S) int64 (-1 = padding / empty) ->
-    out (B, Hq, T, R) in q's dtype = ``softmax(scale · q·latentᵀ) @ latent[..., :R]``.
-    Slot j is visible to query t iff 0 <= latent_positions[j] <= q_positions[t]; masked logits are
-    ``finfo(float32).min`` (a query that sees nothing averages uniformly); softmax in float32.
+    out (B, Hq, T, R) in q's dtype = ``softmax(scale · q·Lᵀ) @ L[..., :R]`` over the rows L = the cache, followed by
+    ``new_latent`` (B, T, R+Dr) when given: this step's own rows, at the queries' positions ``q_positions``.
+    A row at position p is visible to query t iff 0 <= p <= q_positions[t]; masked logits are
+    ``finfo(float32).min`` (a query that sees nothing averages uniformly); softmax in float32 over both parts at
+    once. A quantized cache: ``latent`` uint8 codes, ``latent_scale`` (B, S) float16, ``latent_format`` 1 (int8)
+    or 2 (fp8), dequantized to q's dtype first (:func:`kvexport.cache.quant.dequantize`).
     This is the one reference of the op: the MLA attention calls it, the plugin tests compare with it.
     """
-    logits = torch.matmul(q, latent[:, None].transpose(-1, -2)).float() * scale  # (B, Hq, T, S)
-    lp = latent_positions[:, None, None, :]
-    visible = (lp >= 0) & (lp <= q_positions[:, None, :, None])
-    logits = logits.masked_fill(~visible, torch.finfo(torch.float32).min)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.matmul(probs.to(q.dtype), latent[:, None, :, :rank])
+    lat = _latent_values(latent, latent_scale, int(latent_format), q.dtype)
+    parts = [(lat, latent_positions)] + ([(new_latent, q_positions)] if new_latent is not None else [])
+    fmin = torch.finfo(torch.float32).min
+    logits = []
+    for rows, pos in parts:
+        lg = torch.matmul(q, rows[:, None].transpose(-1, -2)).float() * scale  # (B, Hq, T, S_part)
+        p = pos[:, None, None, :]
+        visible = (p >= 0) & (p <= q_positions[:, None, :, None])
+        logits.append(lg.masked_fill(~visible, fmin))
+    probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)  # the logits of both parts, not their rows
+    out, at = None, 0
+    for rows, _ in parts:
+        n = rows.shape[1]
+        o = torch.matmul(probs[..., at : at + n].to(q.dtype), rows[:, None, :, :rank])
+        out = o if out is None else out + o
+        at += n
+    return out
 
 
 @torch.library.custom_op("kvexport::latent_attention", mutates_args=())
 def latent_attention(q: torch.Tensor, latent: torch.Tensor, q_positions: torch.Tensor,
-                     latent_positions: torch.Tensor, rank: int, scale: float) -> torch.Tensor:
+                     latent_positions: torch.Tensor, rank: int, scale: float,
+                     new_latent: Optional[torch.Tensor] = None, latent_scale: Optional[torch.Tensor] = None,
+                     latent_format: int = 0) -> torch.Tensor:
     """See :func:`latent_attention_reference` (docs/custom_ops.md, LatentAttention)."""
-    return latent_attention_reference(q, latent, q_positions, latent_positions, rank, scale).contiguous()
+    return latent_attention_reference(q, latent, q_positions, latent_positions, rank, scale, new_latent, latent_scale,
+                                      latent_format).contiguous()
 
 
 @latent_attention.register_fake
-def _latent_attention_fake(q, latent, q_positions, latent_positions, rank, scale):
+def _latent_attention_fake(q, latent, q_positions, latent_positions, rank, scale, new_latent=None, latent_scale=None,
+                           latent_format=0):
     B, Hq, T, _ = q.shape
     return q.new_empty(B, Hq, T, rank)
 
 
 # ----------------------------------------------------------------------------- ONNX schemas
 _F = ["tensor(float)", "tensor(float16)"]
+#: what TopKGather gathers, per op version: version 2 adds bfloat16 rows and uint8 codes (quantized caches)
+_TOPK_T = {1: _F, 2: _F + ["tensor(bfloat16)", "tensor(uint8)"]}
 
 
-def _schema_topk_gather() -> defs.OpSchema:
+def _plugin_attrs() -> list:
+    A = defs.OpSchema.AttrType
+    return [defs.OpSchema.Attribute("plugin_namespace", A.STRING, "TensorRT plugin namespace", required=False),
+            defs.OpSchema.Attribute("plugin_version", A.STRING, "TensorRT plugin version", required=False)]
+
+
+def _schema_topk_gather(version: int) -> defs.OpSchema:
     P = defs.OpSchema.FormalParameter
     A = defs.OpSchema.AttrType
     return defs.OpSchema(
-        "TopKGather", DOMAIN, OP_VERSION,
+        "TopKGather", DOMAIN, version,
         doc="Keep the k best-scoring cache slots per (batch, head), in slot order (kvexport docs/custom_ops.md).",
         inputs=[P("scores", "S"), P("keys", "T"), P("values", "T"), P("positions", "I")],
         outputs=[P("kept_keys", "T"), P("kept_values", "T"), P("kept_positions", "I"), P("kept_indices", "I")],
         type_constraints=[("S", ["tensor(float)"], "scores: float32 in every build (exact ties, the plugin's type)"),
-                          ("T", _F, "cache type"), ("I", ["tensor(int64)"], "positions")],
-        attributes=[
-            defs.OpSchema.Attribute("k", A.INT, "slots kept, 1 <= k <= S", required=True),
-            defs.OpSchema.Attribute("plugin_namespace", A.STRING, "TensorRT plugin namespace", required=False),
-            defs.OpSchema.Attribute("plugin_version", A.STRING, "TensorRT plugin version", required=False),
-        ],
+                          ("T", _TOPK_T[version], "cache type (uint8: quantized codes, gathered as bytes)"),
+                          ("I", ["tensor(int64)"], "positions")],
+        attributes=[defs.OpSchema.Attribute("k", A.INT, "slots kept, 1 <= k <= S", required=True), *_plugin_attrs()],
     )
 
 
-def _schema_latent_attention() -> defs.OpSchema:
+def _schema_latent_attention(version: int) -> defs.OpSchema:
     P = defs.OpSchema.FormalParameter
     A = defs.OpSchema.AttrType
+    opt = defs.OpSchema.FormalParameterOption.Optional
+    inputs = [P("q", "T"), P("latent", "L" if version >= 2 else "T"), P("q_positions", "I"),
+              P("latent_positions", "I")]
+    types = [("T", _F, "activation type"), ("I", ["tensor(int64)"], "positions")]
+    attrs = [defs.OpSchema.Attribute("rank", A.INT, "latent (value) width R", required=True),
+             defs.OpSchema.Attribute("scale", A.FLOAT, "softmax scale", required=True)]
+    if version >= 2:
+        inputs += [P("new_latent", "T", "this step's rows (B, T, R+Dr), at q_positions", param_option=opt),
+                   P("latent_scale", "H", "float16 scale per cached row (B, S) of a quantized latent",
+                     param_option=opt)]
+        types += [("L", _F + ["tensor(uint8)"], "the cache: q's type, or uint8 codes (latent_format 1 / 2)"),
+                  ("H", ["tensor(float16)"], "scales")]
+        attrs.append(defs.OpSchema.Attribute("latent_format", A.INT, "0 float, 1 int8 codes, 2 fp8 e4m3fn codes",
+                                             required=False))
     return defs.OpSchema(
-        "LatentAttention", DOMAIN, OP_VERSION,
-        doc="Absorbed MLA attention over a latent cache [c_kv; k_pe] (kvexport docs/custom_ops.md).",
-        inputs=[P("q", "T"), P("latent", "T"), P("q_positions", "I"), P("latent_positions", "I")],
-        outputs=[P("out", "T")],
-        type_constraints=[("T", _F, "activation type"), ("I", ["tensor(int64)"], "positions")],
-        attributes=[
-            defs.OpSchema.Attribute("rank", A.INT, "latent (value) width R", required=True),
-            defs.OpSchema.Attribute("scale", A.FLOAT, "softmax scale", required=True),
-            defs.OpSchema.Attribute("plugin_namespace", A.STRING, "TensorRT plugin namespace", required=False),
-            defs.OpSchema.Attribute("plugin_version", A.STRING, "TensorRT plugin version", required=False),
-        ],
+        "LatentAttention", DOMAIN, version,
+        doc="Absorbed MLA attention over a latent cache [c_kv; k_pe] and this step's rows (kvexport "
+            "docs/custom_ops.md).",
+        inputs=inputs, outputs=[P("out", "T")], type_constraints=types, attributes=[*attrs, *_plugin_attrs()],
     )
 
 
 def register_schemas() -> None:
-    """Register the ``kvexport`` domain's schemas with onnx (idempotent)."""
-    for make in (_schema_topk_gather, _schema_latent_attention):
-        s = make()
-        try:
-            defs.get_schema(s.name, OP_VERSION, DOMAIN)
-        except defs.SchemaError:
+    """Register the ``kvexport`` domain's schemas with onnx, versions 1 and 2 (idempotent)."""
+    for version in (1, OP_VERSION):
+        for make in (_schema_topk_gather, _schema_latent_attention):
+            s = make(version)
+            try:
+                if defs.get_schema(s.name, version, DOMAIN).since_version == version:
+                    continue
+            except defs.SchemaError:
+                pass
             defs.register_schema(s)
 
 
@@ -167,13 +232,41 @@ TopKGather <k, plugin_namespace, plugin_version> (scores, keys, values, position
 }}
 """
 
-_LATENT_ATTENTION_FN = f"""
+_LATENT_HEAD = f"""
 <domain: "{DOMAIN}", opset_import: ["" : {OPSET}]>
-LatentAttention <rank, scale, plugin_namespace, plugin_version> (q, latent, q_positions, latent_positions)
-    => (out)
+LatentAttention <rank, scale, latent_format, plugin_namespace, plugin_version>
+    (q, latent, q_positions, latent_positions, new_latent, latent_scale) => (out)
 {{
+"""
+#: the cache part's rows in q's type, per latent_format (the arithmetic of kvexport.cache.quant.dequantize)
+_LATENT_ROWS = {
+    0: """
+    rows = Identity (latent)
+""",
+    1: """
+    codes = Cast <to: int = 1> (latent)
+    zp = Constant <value_float: float = 128.0> ()
+    centred = Sub (codes, zp)
+    s32 = Cast <to: int = 1> (latent_scale)
+    neg1 = Constant <value_ints: ints = [-1]> ()
+    s3 = Unsqueeze (s32, neg1)
+    deq = Mul (centred, s3)
+    rows = CastLike (deq, q)
+""",
+    2: """
+    idx = Cast <to: int = 7> (latent)
+    table = Constant <value: tensor = float[1] {0.0}> ()
+    values = Gather <axis: int = 0> (table, idx)
+    s32 = Cast <to: int = 1> (latent_scale)
+    neg1 = Constant <value_ints: ints = [-1]> ()
+    s3 = Unsqueeze (s32, neg1)
+    deq = Mul (values, s3)
+    rows = CastLike (deq, q)
+""",
+}
+_LATENT_CACHE = """
     one = Constant <value_ints: ints = [1]> ()
-    lat = Unsqueeze (latent, one)
+    lat = Unsqueeze (rows, one)
     latT = Transpose <perm: ints = [0, 1, 3, 2]> (lat)
     raw = MatMul (q, latT)
     raw32 = Cast <to: int = 1> (raw)
@@ -189,27 +282,102 @@ LatentAttention <rank, scale, plugin_namespace, plugin_version> (q, latent, q_po
     visible = And (filled, causal)
     fmin = Constant <value_float: float = -3.4028234663852886e38> ()
     masked = Where (visible, logits, fmin)
-    probs = Softmax <axis: int = -1> (masked)
-    pq = CastLike (probs, q)
     r0 = Constant <value_int: int = @rank> ()
     start = Constant <value_ints: ints = [0]> ()
     r = Reshape (r0, one)
     axis = Constant <value_ints: ints = [3]> ()
     val = Slice (lat, start, r, axis)
+"""
+_LATENT_ONE_PART = """
+    probs = Softmax <axis: int = -1> (masked)
+    pq = CastLike (probs, q)
     out = MatMul (pq, val)
-}}
+}
+"""
+#: the second part (this step's rows at q_positions), merged by log-sum-exp (no Concat of the rows)
+_LATENT_TWO_PARTS = """
+    nlat = Unsqueeze (new_latent, one)
+    nlatT = Transpose <perm: ints = [0, 1, 3, 2]> (nlat)
+    nraw = MatMul (q, nlatT)
+    nraw32 = Cast <to: int = 1> (nraw)
+    nlogits = Mul (nraw32, sc)
+    np = Unsqueeze (q_positions, ax12)
+    nfilled = GreaterOrEqual (np, zero)
+    ncausal = LessOrEqual (np, qp)
+    nvisible = And (nfilled, ncausal)
+    nmasked = Where (nvisible, nlogits, fmin)
+    last = Constant <value_ints: ints = [-1]> ()
+    m1 = ReduceMax <keepdims: int = 1> (masked, last)
+    m2 = ReduceMax <keepdims: int = 1> (nmasked, last)
+    m = Max (m1, m2)
+    d1 = Sub (masked, m)
+    e1 = Exp (d1)
+    d2 = Sub (nmasked, m)
+    e2 = Exp (d2)
+    s1 = ReduceSum <keepdims: int = 1> (e1, last)
+    s2 = ReduceSum <keepdims: int = 1> (e2, last)
+    den = Add (s1, s2)
+    p1 = Div (e1, den)
+    p2 = Div (e2, den)
+    p1q = CastLike (p1, q)
+    p2q = CastLike (p2, q)
+    o1 = MatMul (p1q, val)
+    nval = Slice (nlat, start, r, axis)
+    o2 = MatMul (p2q, nval)
+    out = Add (o1, o2)
+}
 """
 
 
-def function_protos() -> list[onnx.FunctionProto]:
-    """The model-local functions backing ``kvexport::TopKGather`` and ``kvexport::LatentAttention``."""
-    return [onnx.parser.parse_function(_TOPK_GATHER_FN), onnx.parser.parse_function(_LATENT_ATTENTION_FN)]
+def latent_attention_function(two_parts: bool = False, latent_format: int = 0) -> onnx.FunctionProto:
+    """The function body of one LatentAttention configuration: with / without ``new_latent``, float or quantized
+    cache (every LatentAttention node of a graph shares one; :func:`function_protos` picks it)."""
+    if latent_format not in LATENT_FORMATS:
+        raise ValueError(f"latent_format {latent_format} unknown ({LATENT_FORMATS})")
+    text = _LATENT_HEAD + _LATENT_ROWS[latent_format] + _LATENT_CACHE + (_LATENT_TWO_PARTS if two_parts
+                                                                          else _LATENT_ONE_PART)
+    fn = onnx.parser.parse_function(text)
+    if latent_format == 2:  # the e4m3fn value table (NaN entries: the parser's text format has no NaN)
+        from kvexport.cache.quant import FP8_VALUES
+
+        for node in fn.node:
+            if node.output[0] == "table":
+                del node.attribute[:]
+                node.attribute.append(helper.make_attribute("value", onnx.numpy_helper.from_array(
+                    FP8_VALUES.numpy(), "table")))
+    return fn
+
+
+def latent_configuration(node: onnx.NodeProto) -> tuple[bool, int]:
+    """(two parts, latent_format) of a LatentAttention node."""
+    fmt = next((a.i for a in node.attribute if a.name == "latent_format"), 0)
+    return len(node.input) > 4 and bool(node.input[4]), int(fmt)
+
+
+def function_protos(model: onnx.ModelProto | None = None) -> list[onnx.FunctionProto]:
+    """The model-local functions backing ``kvexport::TopKGather`` and ``kvexport::LatentAttention``: for ``model``,
+    the LatentAttention body its nodes use (they must agree), else the one-part float body."""
+    configs = {latent_configuration(n) for n in model.graph.node
+               if n.domain == DOMAIN and n.op_type == "LatentAttention"} if model is not None else set()
+    if len(configs) > 1:
+        raise ValueError(f"LatentAttention nodes of one graph use different configurations {sorted(configs)}")
+    two, fmt = next(iter(configs)) if configs else (False, 0)
+    return [onnx.parser.parse_function(_TOPK_GATHER_FN), latent_attention_function(two, fmt)]
+
+
+def plugin_version(op: str, n_inputs: int = 4, latent_format: int = 0) -> str:
+    """The ``plugin_version`` of a node: "2" for a LatentAttention with the version-2 inputs (``new_latent``, a
+    quantized latent), else the op's :data:`PLUGIN_VERSIONS` entry."""
+    if op == "LatentAttention" and (n_inputs > 4 or latent_format):
+        return "2"
+    return PLUGIN_VERSIONS[op]
 
 
 def make_node(op: str, inputs: list[str], outputs: list[str], name: str | None = None, **attrs) -> onnx.NodeProto:
     """A ``kvexport`` node with the plugin attributes TensorRT's parser reads."""
+    version = plugin_version(op, len(inputs), int(attrs.get("latent_format", 0)))
     return helper.make_node(op, inputs, outputs, name=name, domain=DOMAIN, plugin_namespace=PLUGIN_NAMESPACE,
-                            plugin_version=PLUGIN_VERSION, **attrs)
+                            plugin_version=version, **attrs)
 
 
 # ----------------------------------------------------------------------------- dynamo translations
@@ -222,11 +390,18 @@ def _translations() -> dict:
 
     def topk_gather_onnx(scores, keys, values, positions, k: int):
         return kvx.TopKGather(scores, keys, values, positions, k=k, plugin_namespace=PLUGIN_NAMESPACE,
-                              plugin_version=PLUGIN_VERSION, _outputs=4)
+                              plugin_version=PLUGIN_VERSIONS["TopKGather"], _outputs=4)
 
-    def latent_attention_onnx(q, latent, q_positions, latent_positions, rank: int, scale: float):
-        return kvx.LatentAttention(q, latent, q_positions, latent_positions, rank=rank, scale=scale,
-                                   plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
+    def latent_attention_onnx(q, latent, q_positions, latent_positions, rank: int, scale: float, new_latent=None,
+                              latent_scale=None, latent_format: int = 0):
+        extra = [] if new_latent is None else [new_latent] + ([] if latent_scale is None else [latent_scale])
+        if latent_scale is not None and new_latent is None:
+            raise ValueError("LatentAttention: a quantized latent (latent_scale) needs new_latent")
+        attrs = {"latent_format": int(latent_format)} if latent_format else {}
+        return kvx.LatentAttention(q, latent, q_positions, latent_positions, *extra, rank=rank, scale=scale,
+                                   plugin_namespace=PLUGIN_NAMESPACE,
+                                   plugin_version=plugin_version("LatentAttention", 4 + len(extra), latent_format),
+                                   **attrs)
 
     from onnxscript import opset18 as op
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvexport.cache.formats import kv_format, layer_fields
 from kvexport.cache.plan import CachePlan, CacheState, next_positions, positions_from_mask
 from kvexport.errors import BadArtifact, BadUsage, MissingBackend
 from kvexport.export.manifest import ONNX_EXPORT as KIND
@@ -108,6 +109,10 @@ class OrtGenerator:
         self.press = s["press"]
         self.on_compaction = None  # callable(where: "prefill:<chunk>" | "decode:<step>", generator) per compaction
         self.last_logits = None
+        if (s.get("kv_dtype") or s["dtype"]) == "bf16":
+            raise MissingBackend(f"{self.path} stores its cache in bf16, which onnxruntime's Python API cannot bind "
+                                 "(NumPy has no bfloat16); run it with --backend tensorrt, or export with --kv-dtype "
+                                 "fp16 / int8")
         if not self.dynamic:
             self._alloc()
         self.reset()
@@ -161,15 +166,24 @@ class OrtGenerator:
         self.layers = s["graphs"]["layers"]
         self.plan = CachePlan.from_settings(s)
         self.state = CacheState(self.plan)
+        self.kv_format = kv_format(s.get("kv_dtype"), s["dtype"])
+        store = storage_numpy(self.kv_format)
         self.shapes: dict[str, tuple[tuple[int, ...], type]] = {}
         self.step_shapes: dict[str, tuple[tuple[int, ...], type]] = {}
+        self.full_shapes: dict[str, tuple[tuple[int, ...], type]] = {}  # prefill's rows before storage (lossy kv)
+        self.fields: list[tuple[str, ...]] = []  # per layer: its cache tensors (k, v, pos, and ks / vs)
         for i, ly in enumerate(self.layers):
             H, cap = ly["heads"], ly["capacity"]
-            self.shapes[f"k_{i}"] = ((B, H, cap, ly["key_dim"]), self.dtype)
-            self.shapes[f"v_{i}"] = ((B, H, cap, ly["value_dim"]), self.dtype)
-            self.shapes[f"pos_{i}"] = ((B, H, cap), np.int64)
-            self.step_shapes[f"k_new_{i}"] = ((B, H, 1, ly["key_dim"]), self.dtype)
-            self.step_shapes[f"v_new_{i}"] = ((B, H, 1, ly["value_dim"]), self.dtype)
+            fields = layer_fields(ly["value_dim"], self.kv_format)
+            self.fields.append(fields)
+            dims = {"k": (ly["key_dim"],), "v": (ly["value_dim"],), "pos": (), "ks": (), "vs": ()}
+            types = {"k": store, "v": store, "pos": np.int64, "ks": np.float16, "vs": np.float16}
+            for f in fields:
+                self.shapes[f"{f}_{i}"] = ((B, H, cap, *dims[f]), types[f])
+                if f != "pos":
+                    self.step_shapes[f"{f}_new_{i}"] = ((B, H, 1, *dims[f]), types[f])
+            self.full_shapes[f"kf_new_{i}"] = ((B, H, 1, ly["key_dim"]), self.dtype)
+            self.full_shapes[f"vf_new_{i}"] = ((B, H, 1, ly["value_dim"]), self.dtype)
             if self.press is not None:
                 self.shapes[f"qbuf_{i}"] = ((B, ly["q_heads"], W, ly["q_dim"]), self.dtype)
                 self.step_shapes[f"q_new_{i}"] = ((B, ly["q_heads"], 1, ly["q_dim"]), self.dtype)
@@ -285,10 +299,12 @@ class OrtGenerator:
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes this runtime holds for its batch of sequences, read from its own buffers, by kind: ``kv`` (K/V or
-        latents), ``positions``, ``queries`` and ``query_positions`` (the ring), ``step_outputs`` (the decode step's
+        latents; codes for int8 / fp8), ``scales`` (their float16 scales), ``positions``, ``queries`` and
+        ``query_positions`` (the ring), ``step_outputs`` (the decode step's
         new rows), ``logits``, ``staging`` (a prefill chunk's rows, only while a prompt is fed) and ``total``. The
         formula: :meth:`kvexport.profile.kv_bytes.CacheShape.resident_bytes_at`."""
-        out = dict.fromkeys(("kv", "positions", "queries", "query_positions", "step_outputs", "logits", "staging"), 0)
+        out = dict.fromkeys(("kv", "scales", "positions", "queries", "query_positions", "step_outputs", "logits",
+                             "staging"), 0)
         if self.dynamic:
             out["kv"] = self.current_cache_bytes()
             out["positions"] = int(self._past_pos.nbytes)
@@ -306,19 +322,20 @@ class OrtGenerator:
 
     # ------------------------------------------------------------------ writes the plan asks for
     def _write_rows(self, rows: dict, i: int, slot: int, positions, first: int = 0) -> None:
-        """Layer i: new rows [first, T) of ``rows`` (k_new_i, v_new_i (B, Hc, T, .)) into slots [slot, ...), their
-        positions (B, T) alike."""
+        """Layer i: new rows [first, T) of ``rows`` (k_new_i, v_new_i (B, Hc, T, .), and the scales ks_new_i,
+        vs_new_i (B, Hc, T) of a quantized cache) into slots [slot, ...), their positions (B, T) alike."""
         n = rows[f"k_new_{i}"].shape[2] - first
-        self.cache[f"k_{i}"][:, :, slot : slot + n] = rows[f"k_new_{i}"][:, :, first:]
-        self.cache[f"v_{i}"][:, :, slot : slot + n] = rows[f"v_new_{i}"][:, :, first:]
+        for f in self.fields[i]:
+            if f != "pos":
+                self.cache[f"{f}_{i}"][:, :, slot : slot + n] = rows[f"{f}_new_{i}"][:, :, first:]
         self.cache[f"pos_{i}"][:, :, slot : slot + n] = self._host(np.asarray(positions)[:, None, first:])
 
     def _write_kept(self, kept: dict) -> None:
-        """A compaction's output: the best budget_i rows into slots [0, budget_i), the rest of the layer emptied."""
+        """A compaction's output: the best budget_i rows (and their scales) into slots [0, budget_i), the rest of
+        the layer emptied."""
         for i, b in enumerate(self.plan.budgets):
-            self.cache[f"k_{i}"][:, :, :b] = kept[f"kept_k_{i}"]
-            self.cache[f"v_{i}"][:, :, :b] = kept[f"kept_v_{i}"]
-            self.cache[f"pos_{i}"][:, :, :b] = kept[f"kept_pos_{i}"]
+            for f in self.fields[i]:
+                self.cache[f"{f}_{i}"][:, :, :b] = kept[f"kept_{f}_{i}"]
             self.cache[f"pos_{i}"][:, :, b:] = -1
 
     def _cache_inputs(self, graph: str, extra: dict | None = None) -> dict:
@@ -399,7 +416,9 @@ class OrtGenerator:
             self.last_logits = last
             return last.copy()
         self.plan.check_fits(N)
-        chunk_shapes = {n: ((*shape[:2], C, shape[3]), dt) for n, (shape, dt) in self.step_shapes.items()}
+        prefill_rows = set(self.settings["graphs"]["prefill"]["outputs"])
+        chunk_shapes = {n: ((*shape[:2], C, *shape[3:]), dt) for n, (shape, dt) in
+                        {**self.step_shapes, **self.full_shapes}.items() if n in prefill_rows}
         self.staging = {n: self._array(shape, dt) for n, (shape, dt) in chunk_shapes.items()}
         try:
             out = {**self.staging, "logits": self.logits}
@@ -562,7 +581,16 @@ class OrtGenerator:
 
 
 _NP_OF_TORCH = {"torch.float32": np.float32, "torch.float16": np.float16, "torch.int64": np.int64,
-                "torch.int32": np.int32, "torch.bool": np.bool_}
+                "torch.int32": np.int32, "torch.bool": np.bool_, "torch.uint8": np.uint8}
+
+
+def storage_numpy(fmt):
+    """The NumPy element type of a cache format's K/V tensors (ml_dtypes' bfloat16 for bf16)."""
+    if fmt.numpy == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(fmt.numpy).type
 
 
 def _nbytes(arr) -> int:
@@ -580,10 +608,12 @@ def _to_numpy(x) -> np.ndarray:
 
 def _kind(name: str) -> str:
     """Buffer name -> the kind :meth:`OrtGenerator.resident_bytes` counts it under."""
-    if name.startswith(("k_new_", "v_new_", "q_new_")):
+    if "_new_" in name:  # k_new_ v_new_ ks_new_ vs_new_ q_new_ kf_new_ vf_new_
         return "new"
     if name.startswith(("k_", "v_")):
         return "kv"
+    if name.startswith(("ks_", "vs_")):
+        return "scales"
     if name.startswith("pos_"):
         return "positions"
     if name.startswith("qbuf_"):

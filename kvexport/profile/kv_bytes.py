@@ -5,6 +5,9 @@ Elements cached per token and layer:
     GQA/MHA:  2 * n_kv * d_h             (keys and values of every KV head)
     MLA:      r_kv + d_rope              (the shared latent and the decoupled RoPE key; X-EcoMLA,
                                           see REFERENCE.md section 2), r_kv may differ per layer
+Bytes per element: the cache format's (``kv_dtype``, :mod:`kvexport.cache.formats`: 4 fp32, 2 fp16 / bf16, 1 int8 /
+fp8); a quantized format adds one float16 scale per row (per token, cache head and tensor: keys and values, or
+the latent alone), ``2 * 2 * n_kv`` (GQA) or ``2`` (MLA) bytes per token and layer, counted as ``scales``.
 A static-budget cache allocates ``budget + window`` slots per layer once and never grows (PyramidKV: a budget
 per layer); a full cache holds every token of the context (a static export without a press allocates its whole
 ``capacity`` up front: then that is what is resident).
@@ -22,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvexport.cache.formats import SCALE_BYTES
+
 
 @dataclass(frozen=True)
 class CacheShape:
@@ -30,6 +35,8 @@ class CacheShape:
     ``budget``: tokens kept per layer (None = full cache); ``layer_budgets`` overrides it per layer (PyramidKV).
     ``capacity``: a full cache allocated once at a fixed size (a static export without a press).
     ``query_heads`` / ``query_dim``: the query ring's shape (GQA: num_heads x head_dim; MLA: r_kv + d_rope).
+    ``dtype_bytes``: the model's element size (queries, logits); ``kv_dtype``: how K/V are stored (None: as the
+    model's dtype).
     """
 
     num_layers: int
@@ -45,6 +52,20 @@ class CacheShape:
     query_dim: int | None = None
     vocab_size: int = 0
     layer_budgets: tuple[int, ...] | None = None
+    kv_dtype: str | None = None
+
+    @property
+    def kv_format(self):
+        from kvexport.cache.formats import kv_format
+
+        return kv_format(self.kv_dtype, {4: "fp32", 2: "fp16"}[self.dtype_bytes])
+
+    def scaled_tensors(self) -> int:
+        """Rows with a scale per token and cache head: 2 (keys, values) for GQA, 1 (the latent) for MLA, 0 unless
+        quantized."""
+        if not self.kv_format.quantized:
+            return 0
+        return 1 if self.mla_ranks is not None else 2
 
     def _ranks(self) -> list[int]:
         r = list(self.mla_ranks)
@@ -76,13 +97,18 @@ class CacheShape:
         return max(self.layer_slots(context))
 
     def bytes_per_token(self) -> int:
-        """K/V bytes per cached token, all layers."""
-        return sum(self.elements_per_token()) * self.dtype_bytes
+        """K/V bytes per cached token, all layers, their scales included."""
+        scales = self.num_layers * self.cache_heads() * self.scaled_tensors() * SCALE_BYTES
+        return sum(self.elements_per_token()) * self.kv_format.element_bytes + scales
 
     def bytes_at(self, context: int, batch: int = 1) -> int:
-        """K/V bytes resident for ``batch`` sequences of ``context`` tokens."""
-        return batch * self.dtype_bytes * sum(s * e for s, e in zip(self.layer_slots(context),
-                                                                       self.elements_per_token(), strict=True))
+        """K/V (or latent) storage bytes resident for ``batch`` sequences of ``context`` tokens (scales apart)."""
+        return batch * self.kv_format.element_bytes * sum(s * e for s, e in zip(self.layer_slots(context),
+                                                                                   self.elements_per_token(), strict=True))
+
+    def scale_bytes_at(self, context: int, batch: int = 1) -> int:
+        """Bytes of the float16 scales of a quantized cache (one per slot, cache head and scaled tensor)."""
+        return batch * self.cache_heads() * self.scaled_tensors() * SCALE_BYTES * sum(self.layer_slots(context))
 
     def index_bytes_at(self, context: int, batch: int = 1) -> int:
         """int64 positions of a static cache (per slot and cache head); a growing past keeps one row per token."""
@@ -92,8 +118,8 @@ class CacheShape:
 
     def resident_bytes_at(self, context: int, batch: int = 1) -> dict[str, int]:
         """Every byte held for ``batch`` sequences of ``context`` tokens while decoding, by kind, and ``total``."""
-        out = {"kv": self.bytes_at(context, batch), "positions": self.index_bytes_at(context, batch),
-               "queries": 0, "query_positions": 0}
+        out = {"kv": self.bytes_at(context, batch), "scales": self.scale_bytes_at(context, batch),
+               "positions": self.index_bytes_at(context, batch), "queries": 0, "query_positions": 0}
         if self.evicting:
             if self.query_heads is None:
                 raise ValueError("resident bytes of an evicting cache need query_heads (and query_dim for GQA)")
@@ -109,13 +135,16 @@ class CacheShape:
         return out
 
     def step_bytes(self, batch: int, tokens: int) -> int:
-        """New rows a step of ``tokens`` tokens returns (keys and values, and with a press the queries), all layers."""
-        rows = sum(self.elements_per_token())
+        """New rows a step of ``tokens`` tokens returns (keys and values as stored, with their scales, and with a
+        press the queries), all layers."""
+        stored = sum(self.elements_per_token()) * self.kv_format.element_bytes
+        stored += self.num_layers * self.cache_heads() * self.scaled_tensors() * SCALE_BYTES
+        queries = 0
         if self.evicting:
             dims = self.elements_per_token() if self.mla_ranks is not None else [self.query_dim or self.head_dim] * \
                 self.num_layers
-            rows += (self.query_heads or 0) * sum(dims)
-        return batch * tokens * rows * self.dtype_bytes
+            queries = (self.query_heads or 0) * sum(dims) * self.dtype_bytes
+        return batch * tokens * (stored + queries)
 
     @classmethod
     def from_export(cls, settings: dict[str, Any]) -> "CacheShape":
@@ -131,7 +160,8 @@ class CacheShape:
                    capacity=int(min(settings["capacities"])) if static and not budgets else None,
                    query_heads=int(spec["num_heads"]), query_dim=None if ranks else int(spec["head_dim"]),
                    vocab_size=int(settings["vocab_size"]),
-                   layer_budgets=tuple(int(b) for b in budgets) if budgets and len(set(budgets)) > 1 else None)
+                   layer_budgets=tuple(int(b) for b in budgets) if budgets and len(set(budgets)) > 1 else None,
+                   kv_dtype=settings.get("kv_dtype"))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -141,6 +171,7 @@ class CacheShape:
             "layer_budgets": list(self.layer_budgets) if self.layer_budgets is not None else None,
             "dtype_bytes": self.dtype_bytes, "capacity": self.capacity, "bytes_per_token": self.bytes_per_token(),
             "query_heads": self.query_heads, "query_dim": self.query_dim, "vocab_size": self.vocab_size,
+            "kv_dtype": self.kv_format.name,
         }
 
 

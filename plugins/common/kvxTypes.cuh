@@ -16,11 +16,12 @@ enum class KvxDType : int32_t
     kFLOAT32 = 0,
     kFLOAT16 = 1,
     kBFLOAT16 = 2,
+    kUINT8 = 3, //!< quantized cache codes (int8 / fp8 e4m3fn bytes, kvexport.cache.quant); TopKGather gathers them
 };
 
 inline int32_t dtypeSize(KvxDType t)
 {
-    return t == KvxDType::kFLOAT32 ? 4 : 2;
+    return t == KvxDType::kFLOAT32 ? 4 : t == KvxDType::kUINT8 ? 1 : 2;
 }
 
 __device__ __forceinline__ float toFloat(float x)

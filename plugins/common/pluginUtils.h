@@ -92,6 +92,12 @@ inline int32_t kvxDType(nvinfer1::DataType t)
     }
 }
 
+//! Element types TopKGather gathers: the float types and UINT8 (a quantized cache's codes, copied as bytes).
+inline int32_t kvxGatherDType(nvinfer1::DataType t)
+{
+    return t == nvinfer1::DataType::kUINT8 ? 3 : kvxDType(t);
+}
+
 //! Float element types the kernels take: FP32, FP16 and (when KVEXPORT_ENABLE_BF16, all sm_80+ builds) BF16.
 inline bool isFloatType(nvinfer1::DataType t)
 {

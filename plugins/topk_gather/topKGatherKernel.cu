@@ -451,7 +451,7 @@ size_t topKGatherWorkspaceSize(int32_t batch, int32_t heads, int32_t slots)
 
 cudaError_t launchTopKGather(TopKGatherParams const& p, cudaStream_t stream)
 {
-    if (p.dataType < 0 || p.dataType > 2 || p.batch < 0 || p.heads < 0 || p.slots < 1 || p.k < 1 || p.k > p.slots
+    if (p.dataType < 0 || p.dataType > 3 || p.batch < 0 || p.heads < 0 || p.slots < 1 || p.k < 1 || p.k > p.slots
         || p.keyDim < 0 || p.valueDim < 0 || p.scores == nullptr || p.positions == nullptr)
     {
         return cudaErrorInvalidValue;
@@ -460,11 +460,13 @@ cudaError_t launchTopKGather(TopKGatherParams const& p, cudaStream_t stream)
     {
         return cudaSuccess;
     }
-    if (dtypeSize(static_cast<KvxDType>(p.dataType)) == 4)
+    // rows are copied as raw elements of their size: float32; float16 / bfloat16; uint8 codes of a quantized cache
+    switch (dtypeSize(static_cast<KvxDType>(p.dataType)))
     {
-        return launchTyped<uint32_t>(p, stream);
+    case 4: return launchTyped<uint32_t>(p, stream);
+    case 2: return launchTyped<uint16_t>(p, stream);
+    default: return launchTyped<uint8_t>(p, stream);
     }
-    return launchTyped<uint16_t>(p, stream);
 }
 
 } // namespace kvexport

@@ -17,7 +17,7 @@ constexpr int32_t kTopKGatherChunk = 1024;
 //! Raw device pointers and shapes of one TopKGather call (see docs/custom_ops.md). Scores are float32 only.
 struct TopKGatherParams
 {
-    int32_t dataType;         //!< KvxDType of keys and values (also kept_keys / kept_values)
+    int32_t dataType;         //!< KvxDType of keys and values (also kept_keys / kept_values); 3 = uint8 codes
     float const* scores;      //!< (B, H, S) float32
     void const* keys;         //!< (B, H, S, Dk)
     void const* values;       //!< (B, H, S, Dv); may be null when Dv == 0

@@ -150,7 +150,7 @@ bool TopKGatherPlugin::supportsFormatCombination(
     switch (pos)
     {
     case kIN_SCORES: return d.type == DataType::kFLOAT; // FP32 only: an FP16 score could change which slots are kept
-    case kIN_KEYS: return isFloatType(d.type);
+    case kIN_KEYS: return kvxGatherDType(d.type) >= 0; // float rows, or uint8 codes of a quantized cache
     case kIN_VALUES: return d.type == keyType;
     case kIN_POSITIONS: return d.type == DataType::kINT64;
     case kNB_INPUTS + kOUT_KEYS: return d.type == keyType;
@@ -226,7 +226,7 @@ void TopKGatherPlugin::doEnqueue(PluginTensorDesc const* inputDesc, void const* 
     Dims const& s = inputDesc[kIN_SCORES].dims;
     require(inputDesc[kIN_SCORES].type == DataType::kFLOAT, "scores must be FP32");
     TopKGatherParams p{};
-    p.dataType = kvxDType(inputDesc[kIN_KEYS].type);
+    p.dataType = kvxGatherDType(inputDesc[kIN_KEYS].type);
     p.scores = static_cast<float const*>(inputs[kIN_SCORES]);
     p.keys = inputs[kIN_KEYS];
     p.values = inputs[kIN_VALUES];

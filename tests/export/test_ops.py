@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime as ort  # noqa: E402
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -156,3 +157,93 @@ def test_nodes_carry_plugin_attributes():
     attrs = {a.name: helper.get_attribute_value(a) for a in m.graph.node[0].attribute}
     assert attrs["plugin_namespace"] == b"kvexport" and attrs["plugin_version"] == b"1" and attrs["k"] == 2
     assert m.graph.node[0].domain == "kvexport"
+
+
+# ----------------------------------------------------------------------------- op version 2 (quantized caches)
+def _model_v2(node, inputs, outputs):
+    """A one-node graph importing the kvexport domain at version 2, with the function bodies its node needs."""
+    g = helper.make_graph([node], "g", inputs, outputs)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", ops.OPSET),
+                                            helper.make_opsetid(ops.DOMAIN, ops.OP_VERSION)])
+    m.functions.extend(ops.function_protos(m))
+    m.ir_version = 10
+    ops.register_schemas()
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def test_topk_gather_gathers_uint8_codes():
+    """Version 2: a quantized cache's uint8 codes are gathered as bytes, like float rows (vs NumPy)."""
+    assert ops.OP_VERSION == 2
+    rng = np.random.default_rng(3)
+    B, H, S, Dk, Dv, k = 2, 3, 11, 5, 4, 6
+    scores = rng.integers(0, 4, (B, H, S)).astype(np.float32)  # ties
+    keys = rng.integers(0, 256, (B, H, S, Dk)).astype(np.uint8)
+    values = rng.integers(0, 256, (B, H, S, Dv)).astype(np.uint8)
+    positions = np.where(rng.random((B, H, S)) < 0.2, -1, np.arange(S)).astype(np.int64)
+    node = ops.make_node("TopKGather", ["scores", "keys", "values", "positions"],
+                         ["kept_keys", "kept_values", "kept_positions", "kept_indices"], k=k)
+    vi, U = helper.make_tensor_value_info, TensorProto.UINT8
+    m = _model_v2(node, [vi("scores", TensorProto.FLOAT, [B, H, S]), vi("keys", U, [B, H, S, Dk]),
+                         vi("values", U, [B, H, S, Dv]), vi("positions", TensorProto.INT64, [B, H, S])],
+                  [vi("kept_keys", U, [B, H, k, Dk]), vi("kept_values", U, [B, H, k, Dv]),
+                   vi("kept_positions", TensorProto.INT64, [B, H, k]), vi("kept_indices", TensorProto.INT64, [B, H, k])])
+    got = _run(m, {"scores": scores, "keys": keys, "values": values, "positions": positions})
+    want = topk_gather_numpy(scores, keys, values, positions, k)
+    t_got = ops.topk_gather(*(torch.from_numpy(x) for x in (scores, keys, values, positions)), k)
+    for g, t, w in zip(got, t_got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+        np.testing.assert_array_equal(t.numpy(), w)
+
+
+def _dequantize_numpy(codes, scale, fmt):
+    """codes (B, S, D) uint8, scale (B, S) float16 -> float64 rows, independently of kvexport.cache.quant."""
+    import ml_dtypes
+
+    if fmt == 1:
+        v = codes.astype(np.float64) - 128.0
+    else:
+        v = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return v * scale.astype(np.float64)[..., None]
+
+
+@pytest.mark.parametrize("fmt", [0, 1, 2], ids=["float", "int8", "fp8"])
+def test_latent_attention_v2_two_parts_and_quantized_latent(fmt):
+    """Version 2: ``new_latent`` attended in the same softmax as the cache, and a quantized cache (uint8 codes +
+    float16 scale per row, dequantized on load): PyTorch op and ONNX function vs NumPy on the concatenated rows."""
+    rng = np.random.default_rng(11 + fmt)
+    B, Hq, T, S, R, Dr = 2, 3, 2, 9, 6, 2
+    D, scale = R + Dr, float((R + Dr) ** -0.5)
+    q = rng.standard_normal((B, Hq, T, D)).astype(np.float32)
+    new = rng.standard_normal((B, T, D)).astype(np.float32)
+    lp = np.where(rng.random((B, S)) < 0.3, -1, rng.integers(0, 9, (B, S))).astype(np.int64)
+    qp = np.stack([[9, 10], [9, -1]]).astype(np.int64)
+    if fmt:
+        latent = rng.integers(0, 256, (B, S, D)).astype(np.uint8)
+        if fmt == 2:
+            latent[(latent & 0x7F) == 0x7F] = 0  # no NaN patterns (never written by the quantizer)
+        lscale = (rng.random((B, S)) * 0.1 + 0.01).astype(np.float16)
+        rows = _dequantize_numpy(latent, lscale, fmt)
+    else:
+        latent, lscale = rng.standard_normal((B, S, D)).astype(np.float32), None
+        rows = latent.astype(np.float64)
+    want = latent_attention_numpy(q, np.concatenate([rows, new], 1), qp, np.concatenate([lp, qp], 1), R, scale)
+    tt = (lambda x: None if x is None else torch.from_numpy(x))  # noqa: E731
+    t_out = ops.latent_attention(tt(q), tt(latent), tt(qp), tt(lp), R, scale, tt(new), tt(lscale), fmt)
+    names = ["q", "latent", "q_positions", "latent_positions", "new_latent"] + (["latent_scale"] if fmt else [])
+    attrs = {"latent_format": fmt} if fmt else {}
+    node = ops.make_node("LatentAttention", names, ["out"], rank=R, scale=scale, **attrs)
+    vi, F = helper.make_tensor_value_info, TensorProto.FLOAT
+    inputs = [vi("q", F, [B, Hq, T, D]), vi("latent", TensorProto.UINT8 if fmt else F, [B, S, D]),
+              vi("q_positions", TensorProto.INT64, [B, T]), vi("latent_positions", TensorProto.INT64, [B, S]),
+              vi("new_latent", F, [B, T, D])] + ([vi("latent_scale", TensorProto.FLOAT16, [B, S])] if fmt else [])
+    m = _model_v2(node, inputs, [vi("out", F, [B, Hq, T, R])])
+    feeds = {"q": q, "latent": latent, "q_positions": qp, "latent_positions": lp, "new_latent": new}
+    if fmt:
+        feeds["latent_scale"] = lscale
+    (o_out,) = _run(m, feeds)
+    np.testing.assert_allclose(t_out.numpy(), want, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(o_out, want, atol=1e-5, rtol=1e-5)
+    # the node asks for the version-2 plugin, which no plugin library registers yet (kvexport.tensorrt.op_support)
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["plugin_version"] == b"2" and ops.PLUGIN_REGISTERED["LatentAttention"] == ("1",)

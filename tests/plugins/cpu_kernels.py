@@ -38,7 +38,7 @@ VARIANTS = {
 }
 COMMON_FLAGS = ["-std=c++17", "-g", "-fno-strict-aliasing", "-Wall", "-Wextra", "-Wno-unknown-pragmas",
                 "-Wno-unused-parameter", "-pthread"]
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.uint8: 3}
 
 
 class CpuKernelError(RuntimeError):

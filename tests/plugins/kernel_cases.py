@@ -20,12 +20,12 @@ from onnx import TensorProto, helper
 
 from kvexport.export import ops
 
-_ONNX_TYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16}
+_ONNX_TYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16, torch.uint8: TensorProto.UINT8}
 
 
 def _session(node, inputs, outputs) -> ort.InferenceSession:
     g = helper.make_graph([node], "g", inputs, outputs)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", ops.OPSET), helper.make_opsetid(ops.DOMAIN, 1)],
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", ops.OPSET), helper.make_opsetid(ops.DOMAIN, ops.OP_VERSION)],
                           functions=ops.function_protos())
     m.ir_version = 10
     ops.register_schemas()
@@ -72,6 +72,10 @@ class TopKCase:
             s = torch.randn(shape, generator=g)
         pos = torch.arange(self.S).expand(*shape).clone()
         pos[torch.rand(shape, generator=g) < self.empty] = -1
+        if self.dtype == torch.uint8:  # a quantized cache's codes: every byte value
+            keys = torch.randint(0, 256, (*shape, self.Dk), generator=g).to(torch.uint8)
+            values = torch.randint(0, 256, (*shape, self.Dv), generator=g).to(torch.uint8)
+            return s, keys, values, pos
         keys = torch.randn(*shape, self.Dk, generator=g).to(self.dtype)
         values = torch.randn(*shape, self.Dv, generator=g).to(self.dtype)
         return s, keys, values, pos
@@ -96,6 +100,10 @@ def _topk_cases() -> list[TopKCase]:
         TopKCase("mla-no-values", 1, 1, 300, 100, Dk=96, Dv=0, dtype=torch.float16, empty=0.1),
         TopKCase("odd-widths", 2, 2, 500, 77, Dk=3, Dv=5, dtype=torch.float16),
         TopKCase("batch-heads", 4, 8, 1030, 512, Dk=8, Dv=8, dtype=torch.bfloat16, scores="ties"),
+        # a quantized cache's uint8 codes (int8 / fp8, issue 18): 16-byte vectors, byte copies, an MLA latent
+        TopKCase("uint8-codes", 2, 3, 1000, 333, Dk=32, Dv=16, dtype=torch.uint8, scores="ties"),
+        TopKCase("uint8-odd-widths", 2, 2, 500, 77, Dk=3, Dv=5, dtype=torch.uint8),
+        TopKCase("uint8-mla-no-values", 1, 1, 2100, 700, Dk=36, Dv=0, dtype=torch.uint8, empty=0.1),
     ]
     return cases
 

@@ -77,7 +77,7 @@ struct DeviceBuffer
 
 size_t elemSize(int dtype)
 {
-    return dtype == 0 ? 4 : 2;
+    return dtype == 0 ? 4 : dtype == 3 ? 1 : 2; // KvxDType: fp32, fp16 / bf16, uint8 codes
 }
 
 void status(std::string const& dir, int rc)
