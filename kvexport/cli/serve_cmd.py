@@ -23,6 +23,9 @@ def serve_cmd(
                                                 "its own fixed cache slot; more wait in a queue. Default: the "
                                                 "export's --decode-batch, else 4."),
     threads: Optional[int] = typer.Option(None, help="Intra-op threads of the backend (default: its own)."),
+    decode: str = typer.Option("auto", help="With a decode_batch graph: auto (batched from the number of "
+                               "sequences where it is faster, timed at start), batched, or rows (one call per "
+                               "sequence)."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id of the API (default: the "
                                              "directory's name)."),
     drain_timeout: float = typer.Option(30.0, "--drain-timeout", help="On SIGTERM/SIGINT, seconds the requests in "
@@ -38,4 +41,4 @@ def serve_cmd(
         raise MissingBackend(f"kvexport serve needs the serve extra ({e.name} is missing): "
                              "pip install 'kvexport[serve]'") from None
     return serve(directory, host=host, port=port, backend=backend, max_sequences=max_sequences, threads=threads,
-                 name=model_name, drain_timeout=drain_timeout)
+                 name=model_name, drain_timeout=drain_timeout, decode=decode)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvexport.errors import BadArtifact, BadUsage
-from kvexport.serve.backends.base import SlotBackend
+from kvexport.serve.backends.base import DECODE_MODES, SlotBackend
 
 BACKENDS = ("onnxruntime", "tensorrt", "pytorch")
 
@@ -68,11 +68,11 @@ def resolve_export(directory: str | Path, backend: str = "onnxruntime") -> tuple
 
 
 def open_backend(export_dir: Path, backend: str, max_sequences: int | None, threads: int | None = None,
-                 engines: Path | None = None, use_decode_batch: bool = True) -> SlotBackend:
+                 engines: Path | None = None, decode: str = "auto") -> SlotBackend:
     if backend in ("onnxruntime", "tensorrt"):
         from kvexport.serve.backends.graphs import GraphSlots
 
-        return GraphSlots(export_dir, backend, max_sequences, threads, engines, use_decode_batch)
+        return GraphSlots(export_dir, backend, max_sequences, threads, engines, decode)
     if backend == "pytorch":
         from kvexport.serve.backends.torch_slots import TorchSlots
 
@@ -81,16 +81,18 @@ def open_backend(export_dir: Path, backend: str, max_sequences: int | None, thre
 
 
 def open_model(directory: str | Path, backend: str = "onnxruntime", max_sequences: int | None = None,
-               threads: int | None = None, name: str | None = None, use_decode_batch: bool = True) -> ServedModel:
+               threads: int | None = None, name: str | None = None, decode: str = "auto") -> ServedModel:
     """Open ``directory`` for serving on ``backend`` with ``max_sequences`` slots (see the module docstring)."""
     from kvexport.models.loading import load_tokenizer
 
     if backend not in BACKENDS:
         raise BadUsage(f"--backend {backend!r} is not one of: {', '.join(BACKENDS)}")
+    if decode not in DECODE_MODES:
+        raise BadUsage(f"--decode {decode!r} is not one of: {', '.join(DECODE_MODES)}")
     if max_sequences is not None and int(max_sequences) < 1:
         raise BadUsage(f"--max-sequences {max_sequences} must be >= 1")
     export_dir, engines = resolve_export(directory, backend)
-    slots = open_backend(export_dir, backend, max_sequences, threads, engines, use_decode_batch)
+    slots = open_backend(export_dir, backend, max_sequences, threads, engines, decode)
     s = slots.settings
     tok = load_tokenizer(export_dir / s["tokenizer"]) if s.get("tokenizer") else None
     if tok is None:

@@ -22,7 +22,6 @@ from kvexport.serve.app import build_app
 from kvexport.serve.engine import Engine
 from kvexport.serve.model import ServedModel, open_model
 
-
 #: seconds uvicorn waits beyond the drain deadline for the cancelled requests to send their last bytes
 GRACE = 5.0
 
@@ -76,13 +75,13 @@ def make_app(model: ServedModel, track_kept: bool = False, max_queue: int = 1024
 
 def serve(directory: str | Path, host: str = "127.0.0.1", port: int = 8000, backend: str = "onnxruntime",
           max_sequences: int | None = None, threads: int | None = None, name: str | None = None,
-          drain_timeout: float = 30.0, max_queue: int = 1024) -> int:
+          drain_timeout: float = 30.0, max_queue: int = 1024, decode: str = "auto") -> int:
     """Serve ``directory`` until SIGTERM/SIGINT (see the module docstring); returns the exit status, 0."""
     import asyncio
 
     if drain_timeout < 0:
         raise BadUsage(f"--drain-timeout {drain_timeout} must be >= 0")
-    model = open_model(directory, backend, max_sequences, threads, name)
+    model = open_model(directory, backend, max_sequences, threads, name, decode)
     app, engine = make_app(model, max_queue=max_queue)
     sock = bind(host, port)
     bound = sock.getsockname()[1]
@@ -102,7 +101,8 @@ def serve(directory: str | Path, host: str = "127.0.0.1", port: int = 8000, back
     server = _uvicorn_server(app, drain_timeout + GRACE, on_signal)
     print(f"serving {model.name} ({model.export_dir}, {model.backend.name}) on http://{host}:{bound} - "
           f"{model.backend.n_slots} sequences at once, {res['per_slot']['total'] / 2**20:.2f} MiB cache per slot, "
-          f"{res['total'] / 2**20:.2f} MiB in all; context {model.limit} tokens", flush=True)
+          f"{res['total'] / 2**20:.2f} MiB in all; context {model.limit} tokens; {model.backend.describe()}",
+          flush=True)
     try:
         asyncio.run(server.serve(sockets=[sock]))
     finally:

@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """``kvexport serve`` as a user runs it (a subprocess): bad input is one line and a non-zero exit; a missing
-backend is refused before the port is bound; SIGTERM drains the requests in flight (bounded by --drain-timeout)
-and exits 0 without a traceback; the README's curl example works against it."""
+backend is refused before the port is bound; its greedy answers to the ``openai`` client (streamed and not) are the
+text ``kvexport generate`` prints for the same export; SIGTERM drains the requests in flight (bounded by
+--drain-timeout) and exits 0 without a traceback; the README's curl example works against it."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -15,6 +17,7 @@ import sys
 import threading
 from pathlib import Path
 
+import openai
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,7 +50,8 @@ def test_tensorrt_is_refused_before_the_port_is_bound(export_dir):
     (["--max-sequences", "0"], 2, "--max-sequences 0 must be >= 1"),
     (["--max-sequences", "9"], 2, r"exceeds the export's decode batch \(4\)"),
     (["--drain-timeout", "-1"], 2, "--drain-timeout -1"),
-], ids=["port", "backend", "zero-sequences", "too-many-sequences", "drain"])
+    (["--decode", "fast"], 2, "--decode 'fast' is not one of: auto, batched, rows"),
+], ids=["port", "backend", "zero-sequences", "too-many-sequences", "drain", "decode"])
 def test_bad_cli_input_is_one_line(export_dir, args, code, match):
     one_line_error(kvexport("serve", str(export_dir), *args), code, match)
 
@@ -60,6 +64,32 @@ def test_bad_directories_are_one_line(export_dir, tmp_path):
         held.listen(1)
         r = kvexport("serve", str(export_dir), "--port", str(held.getsockname()[1]))
     one_line_error(r, 2, "cannot listen on 127.0.0.1:")
+
+
+def generate_text(export_dir: Path, prompt: str, n: int) -> str:
+    """The completion ``kvexport generate EXPORT -p PROMPT -n N`` prints (``'prompt' -> 'text'``, reprs)."""
+    r = subprocess.run([sys.executable, "-m", "kvexport", "generate", str(export_dir), "-p", prompt, "-n", str(n)],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100000"})  # no wrapped lines
+    assert r.returncode == 0, r.stderr
+    head = f"{prompt[:60]!r} -> "
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith(head)), None)
+    assert line is not None, r.stdout
+    return ast.literal_eval(line[len(head):])
+
+
+def test_an_export_of_another_version_is_refused_at_start(export_dir, tmp_path):
+    """Graphs that want host inputs this version does not give: one line before serving, not an error per request."""
+    import shutil
+
+    from kvexport.export.manifest import ONNX_EXPORT, read_manifest, write_manifest
+
+    stale = tmp_path / "stale"
+    shutil.copytree(export_dir, stale)
+    doc = read_manifest(stale)
+    doc["settings"]["graphs"]["prefill"]["inputs"].append("k_0_in")  # what an older export's prefill took
+    write_manifest(stale, ONNX_EXPORT, doc["settings"], doc["model_hash"], tuple(doc["reports"]))
+    one_line_error(kvexport("serve", str(stale), "--port", "0"), 4, r"prefill\.onnx wants inputs \['k_0_in'\]")
 
 
 class Served:
@@ -107,6 +137,27 @@ def stream_in_thread(url: str, body: dict) -> tuple[threading.Thread, dict, thre
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t, got, first
+
+
+GENERATE_PROMPTS = ["def parse(", "class Config:\n    def __init__(self"]
+
+
+def test_served_greedy_equals_kvexport_generate(export_dir, tokenizer):
+    """The served greedy completion, streamed and not, decodes to the text ``kvexport generate`` prints (both
+    decode with the special tokens, so an EOS shows in both)."""
+    want = {p: generate_text(export_dir, p, 24) for p in GENERATE_PROMPTS}
+    srv = Served(export_dir)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for p in GENERATE_PROMPTS:
+            kw = dict(model="m", prompt=p, max_tokens=24, temperature=0, extra_body={"return_token_ids": True})
+            ids = client.completions.create(**kw).choices[0].model_extra["token_ids"]
+            streamed = [t for ch in client.completions.create(stream=True, **kw) for c in ch.choices
+                        for t in (c.model_extra or {}).get("token_ids", [])]
+            assert tokenizer.decode(ids) == tokenizer.decode(streamed) == want[p], p
+    finally:
+        rc, out, err = srv.stop()
+    assert rc == 0 and "Traceback" not in err, err
 
 
 BODY = {"model": "m", "prompt": "def parse(", "temperature": 0, "ignore_eos": True, "return_token_ids": True}

@@ -47,10 +47,10 @@ def assert_same_kept(got: list, want_steps: list[str], want_kept: list) -> None:
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("batched", [True, False], ids=["decode_batch", "slot-by-slot"])
-def test_slots_equal_solo_runs(export_dir, tokenizer, solo, batched):
-    backend = GraphSlots(export_dir, max_sequences=2, use_decode_batch=batched)
-    assert backend.rt.batched is batched and backend.n_slots == 2
+@pytest.mark.parametrize("decode", ["batched", "rows"], ids=["decode_batch", "slot-by-slot"])
+def test_slots_equal_solo_runs(export_dir, tokenizer, solo, decode):
+    backend = GraphSlots(export_dir, max_sequences=2, decode=decode)
+    assert backend.rt.batched is (decode == "batched") and backend.n_slots == 2
     seqs, ticks = run(backend, tokenizer)
     for s in seqs:
         free = solo.generate(np.array([s.prompt]), max_new_tokens=s.max_tokens)  # greedy, nothing forced
@@ -97,7 +97,7 @@ def test_tensorrt_host_logic_with_stand_in_engines(export_dir, tokenizer, solo, 
     from tests.tensorrt.test_generator import OnnxAsEngine, fake_engines
 
     engines = fake_engines(export_dir, tmp_path / "engines")
-    backend = GraphSlots(export_dir, "tensorrt", max_sequences=2, engines=engines,
+    backend = GraphSlots(export_dir, "tensorrt", max_sequences=2, engines=engines, decode="batched",
                          runtime_kw={"runner_factory": OnnxAsEngine})
     assert backend.rt.backend == "tensorrt" and backend.rt.batched
     seqs, _ = run(backend, tokenizer)

@@ -14,6 +14,9 @@ from typing import Callable
 
 import numpy as np
 
+#: how a backend with a batched decode graph uses it: "auto" (timed at start), "batched", "rows" (slot by slot)
+DECODE_MODES = ("auto", "batched", "rows")
+
 
 class SlotBackend(ABC):
     """``n_slots`` sequences at once, each in a cache of fixed size.
@@ -56,9 +59,13 @@ class SlotBackend(ABC):
         """``{"per_slot": {kind: bytes}, "slots": n, "shared": {kind: bytes}, "total": bytes}`` from the
         backend's own allocations."""
 
+    def describe(self) -> str:
+        """How decode steps run, in words (the server's start line)."""
+        return "decode slot by slot"
+
     def close(self) -> None:
         """Free what the backend holds (sessions, engines); nothing by default."""
         return None
 
 
-__all__ = ["SlotBackend"]
+__all__ = ["DECODE_MODES", "SlotBackend"]

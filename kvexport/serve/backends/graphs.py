@@ -10,6 +10,11 @@ row's new keys/values/queries where that row's plan says). Rows not decoding get
 outputs are ignored, so nothing is written into them. An export without ``decode_batch`` decodes slot by slot
 with the batch-1 ``decode`` graph on the row views.
 
+The batched call costs about the same however many of its N rows are in use, so with few active sequences one
+batch-1 call per sequence is faster. ``decode="auto"`` times both once at start (:meth:`GraphSlots.calibrate`)
+and uses the batched graph from the number of active sequences where it wins; ``"batched"`` / ``"rows"`` force
+one way. Both ways compute each row independently (their logits agree to float rounding, ~1e-5).
+
 The host steps are :meth:`OrtGenerator.prefill` / :meth:`OrtGenerator.decode`'s, per slot, through the
 generator's own hooks (``_call``, ``_write_rows``, ``_write_kept``, ``_cache_inputs``), which write through
 ``self.cache``: :meth:`_Slots.select` points it at one slot's row views.
@@ -24,9 +29,23 @@ import numpy as np
 from kvexport.cache.plan import positions_from_mask
 from kvexport.errors import BadArtifact, BadUsage
 from kvexport.export.runtime import OrtGenerator, _kind, _nbytes, _to_numpy
-from kvexport.serve.backends.base import SlotBackend
+from kvexport.serve.backends.base import DECODE_MODES, SlotBackend
 
 PER_SLOT = ("kv", "positions", "queries", "query_positions")
+#: the host inputs each graph call below can give (checked at start: a stale export is refused before serving)
+FEEDS = {"prefill": {"input_ids", "positions"}, "decode": {"input_ids", "positions"},
+         "decode_batch": {"input_ids", "positions"}, "compact_prefill": {"fill", "n_pad", "positions"},
+         "compact": {"fill", "query_start"}}
+
+
+def check_feeds(rt) -> None:
+    """Refuse an export whose graphs want host inputs the calls here do not give (made by another version)."""
+    for graph, known in FEEDS.items():
+        if graph in rt.settings["graphs"]:
+            missing = sorted(rt._io_plan(graph)[2] - known)
+            if missing:
+                raise BadArtifact(f"{rt.path}/{graph}.onnx wants inputs {missing} this kvexport version does not "
+                                  "give; re-export it (or re-run `kvexport convert`) with this version")
 
 
 class _Slots:
@@ -36,9 +55,9 @@ class _Slots:
     plan; ``rows_out``: the decode step's outputs for all rows (``logits`` (rows, V), ``k_new_i`` ...);
     ``chunk_rows``: one prefill chunk's new rows (batch 1; one chunk runs at a time)."""
 
-    def __init__(self, *args, slots: int, use_decode_batch: bool = True, **kw):
+    def __init__(self, *args, slots: int, decode: str = "auto", **kw):
         self._want_slots = int(slots)
-        self._use_decode_batch = use_decode_batch
+        self._decode = decode
         super().__init__(*args, **kw)
 
     def _alloc(self) -> None:  # called by the runner's __init__ instead of its batch-B allocation
@@ -50,7 +69,7 @@ class _Slots:
                               "(and --decode-batch N for batched decoding)")
         self._init_cache_layout()
         n_graph = s.get("decode_batch")
-        self.batched = bool(self._use_decode_batch and n_graph and "decode_batch" in s["graphs"])
+        self.batched = bool(self._decode != "rows" and n_graph and "decode_batch" in s["graphs"])
         self.rows = int(n_graph) if self.batched else self._want_slots
         self._ovs, self._persistent = {}, {}
         self.bank = {n: self._array((self.rows, *shape[1:]), dt, -1 if _kind(n) in ("positions", "query_positions")
@@ -58,7 +77,10 @@ class _Slots:
         self.rows_out = {n: self._array((self.rows, *shape[1:]), dt) for n, (shape, dt) in self.step_shapes.items()}
         self.rows_out["logits"] = self._array((self.rows, int(s["vocab_size"])), self.dtype)
         C = int(s["chunk"])
-        self.chunk_rows = {n: self._array((*shape[:2], C, shape[3]), dt) for n, (shape, dt) in self.step_shapes.items()}
+        prefill_rows = set(s["graphs"]["prefill"]["outputs"])  # a lossy cache's prefill also returns kf_new_i ...
+        shapes = {**self.step_shapes, **getattr(self, "full_shapes", {})}
+        self.chunk_rows = {n: self._array((*shape[:2], C, *shape[3:]), dt) for n, (shape, dt) in shapes.items()
+                           if n in prefill_rows}
         self.views = [{n: a[r:r + 1] for n, a in self.bank.items()} for r in range(self.rows)]
         self.states = [CacheState(self.plan) for _ in range(self.rows)]
         self.staging = {}
@@ -96,16 +118,18 @@ class GraphSlots(SlotBackend):
 
     ``backend``: onnxruntime or tensorrt (``engines``: the TensorRT engine folder); ``max_sequences``: slots to
     admit (default: the export's ``decode_batch``, else 4; at most ``decode_batch`` when batching);
-    ``use_decode_batch=False`` decodes slot by slot even when the export has the batched graph; ``runtime_kw``: more
-    arguments of the step runner (e.g. TrtGenerator's ``runner_factory``)."""
+    ``decode``: "auto" (see the module docstring), "batched" (always the decode_batch graph) or "rows" (slot by slot
+    even when the export has the batched graph); ``runtime_kw``: more arguments of the step runner (e.g.
+    TrtGenerator's ``runner_factory``)."""
 
     def __init__(self, export_dir, backend: str = "onnxruntime", max_sequences: int | None = None,
-                 threads: int | None = None, engines=None, use_decode_batch: bool = True,
-                 runtime_kw: dict | None = None):
+                 threads: int | None = None, engines=None, decode: str = "auto", runtime_kw: dict | None = None):
         from kvexport.export.manifest import ONNX_EXPORT, verify_manifest
 
+        if decode not in DECODE_MODES:
+            raise BadUsage(f"decode {decode!r} is not one of: {', '.join(DECODE_MODES)}")
         if backend == "tensorrt":
-            rt = _trt_slots()(export_dir, engines=engines, slots=max_sequences or 4, use_decode_batch=use_decode_batch,
+            rt = _trt_slots()(export_dir, engines=engines, slots=max_sequences or 4, decode=decode,
                               **(runtime_kw or {}))
         else:
             s = verify_manifest(export_dir, ONNX_EXPORT)["settings"]
@@ -113,7 +137,8 @@ class GraphSlots(SlotBackend):
                 raise BadArtifact(f"{export_dir} is a growing-past (--dynamic-cache) export: its memory grows with "
                                   "each sequence; serve a static-cache export (--press P --budget B, or --press none)")
             rt = _OrtSlots(export_dir, threads=threads, slots=max_sequences or s.get("decode_batch") or 4,
-                           use_decode_batch=use_decode_batch, **(runtime_kw or {}))
+                           decode=decode, **(runtime_kw or {}))
+        check_feeds(rt)
         self.rt, self.name, self.settings = rt, backend, rt.settings
         if rt.batched and max_sequences is not None and int(max_sequences) > rt.rows:
             raise BadUsage(f"--max-sequences {max_sequences} exceeds the export's decode batch ({rt.rows}); "
@@ -128,6 +153,47 @@ class GraphSlots(SlotBackend):
         self._prompt: list[tuple[np.ndarray, np.ndarray] | None] = [None] * rt.rows
         self._next = np.zeros(rt.rows, np.int64)  # position of each slot's next token (plan rule 1)
         self._steps = [0] * rt.rows
+        #: decode through the batched graph when at least this many slots decode (rows only: never)
+        self.batch_from = (1 if decode == "batched" else self.calibrate()) if rt.batched else None
+
+    def calibrate(self, repeats: int = 7) -> int:
+        """Time one batched decode call and one batch-1 call (median of ``repeats``, on empty slots: nothing is
+        written) -> the number of active slots from which the batched call is the faster."""
+        import math
+        import time
+
+        rt = self.rt
+        zeros = np.zeros((rt.rows, 1), np.int64)
+        arrays = {n: rt.bank[n] for n in rt._io_plan("decode_batch")[0]}
+
+        def batched():
+            rt._call("decode_batch", rt._feeds("decode_batch", input_ids=zeros, positions=zeros), arrays, rt.rows_out,
+                     persistent=True)
+
+        def one():
+            rt.select(0)
+            rt._call("decode", rt._feeds("decode", input_ids=zeros[:1], positions=zeros[:1]), rt._cache_inputs("decode"),
+                     {n: a[0:1] for n, a in rt.rows_out.items()})
+
+        def median(fn) -> float:
+            times = []
+            for _ in range(repeats + 2):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return sorted(times[2:])[repeats // 2]
+
+        self.timings = {"decode_batch_s": median(batched), "decode_s": median(one)}
+        return max(1, min(rt.rows, math.ceil(self.timings["decode_batch_s"] / self.timings["decode_s"])))
+
+    def describe(self) -> str:
+        """How decode steps run, in words (the server's start line)."""
+        if not self.rt.batched:
+            return "decode slot by slot"
+        t = getattr(self, "timings", None)
+        times = (f" (decode_batch {t['decode_batch_s'] * 1e3:.2f} ms for {self.rt.rows} rows, decode "
+                 f"{t['decode_s'] * 1e3:.2f} ms per slot)") if t else ""
+        return f"decode_batch for >= {self.batch_from} decoding sequences, else slot by slot{times}"
 
     # ------------------------------------------------------------------ prefill
     def start(self, slot: int, prompt: list[int]) -> int:
@@ -176,7 +242,7 @@ class GraphSlots(SlotBackend):
         for r in slots:  # the plan first: a full press-free cache refuses before any graph runs
             rt.select(r)
             steps[r] = rt.state.decode()
-        if rt.batched:
+        if rt.batched and len(slots) >= self.batch_from:
             ids = np.zeros((rt.rows, 1), np.int64)  # rows not decoding: token 0 at position 0, outputs ignored
             pos = np.zeros((rt.rows, 1), np.int64)
             ids[slots, 0] = tokens
@@ -238,8 +304,8 @@ class GraphSlots(SlotBackend):
         one prefill chunk's rows), read from the allocated buffers."""
         rt = self.rt
         per = dict.fromkeys(PER_SLOT, 0)
-        for n, a in rt.views[0].items():
-            per[_kind(n)] += _nbytes(a)
+        for n, a in rt.views[0].items():  # (and "scales" of an int8 / fp8 cache)
+            per[_kind(n)] = per.get(_kind(n), 0) + _nbytes(a)
         per["total"] = sum(per.values())
         shared = {"step_outputs": sum(_nbytes(a) for n, a in rt.rows_out.items() if n != "logits"),
                   "logits": _nbytes(rt.rows_out["logits"]), "staging": sum(_nbytes(a) for a in rt.chunk_rows.values())}
