@@ -25,7 +25,6 @@ from kvexport.export.validation import load_reference_model
 from kvexport.generation import generate
 from kvexport.presses import make_press
 from kvexport.profile.kv_bytes import CacheShape
-from kvexport.tensorrt.op_support import check_model
 
 ATOL = 1e-3
 BUDGET, WINDOW, CHUNK, STEPS, PROMPT = 12, 4, 8, 9, 29  # 3 prefill and 2 decode compactions with a press
@@ -93,12 +92,6 @@ def test_export_equals_pytorch_quantized_cache(tiny_models, tmp_path, family, ex
     width = sum(ly["key_dim"] + ly["value_dim"] for ly in s["graphs"]["layers"])
     heads = s["graphs"]["layers"][0]["heads"]
     assert mine["kv"] == s["capacities"][0] * heads * width * elem
-    # TensorRT-parseable: uint8 codes and float16 scales as graph I/O, the dequantization in standard ops, the
-    # plugins' formats (TopKGather over uint8 rows, the version-1 LatentAttention over dequantized rows)
-    for g in s["graphs"]:
-        if isinstance(s["graphs"][g], dict) and "file" in s["graphs"][g]:
-            report = check_model(out / s["graphs"][g]["file"])
-            assert report.ok, [p.reason for p in report.problems]
 
 
 @pytest.mark.parametrize("bad", ["int4", "float8", "FP8", "e4m3", ""])
@@ -133,6 +126,7 @@ def test_version_2_latent_attention_is_flagged_for_tensorrt():
     from onnx import TensorProto, helper
 
     from kvexport.export import ops
+    from kvexport.tensorrt.op_support import check_model
 
     vi, F = helper.make_tensor_value_info, TensorProto.FLOAT
     node = ops.make_node("LatentAttention", ["q", "latent", "qp", "lp", "new", "ls"], ["out"], name="planted_la",
