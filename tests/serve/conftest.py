@@ -59,6 +59,24 @@ def exports(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def mla_export_dir(tmp_path_factory) -> Path:
+    """The student rewritten to MLA (what `kvexport convert` serves: its ``v_i`` caches are empty, value_dim 0),
+    SnapKV as above, ``decode_batch`` 2."""
+    from kvexport.export import export_model
+    from kvexport.presses import make_press
+
+    root = _shared_root(tmp_path_factory) / "serve-exports"
+    root.mkdir(exist_ok=True)
+    out = root / "kvx-student-mla"
+    with FileLock(str(out) + ".lock"):
+        if not (out / "manifest.json").is_file():
+            export_model(str(STUDENT), out, press=make_press("snapkv", budget=BUDGET, window_size=WINDOW),
+                         window=WINDOW, chunk=CHUNK, batch=1, decode_batch=2, max_positions=MAX_POSITIONS,
+                         mla_rank=16, rope_dim=8, force=True)
+    return out
+
+
+@pytest.fixture(scope="session")
 def export_dir(exports) -> Path:
     return exports["plain"]
 

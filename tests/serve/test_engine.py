@@ -92,6 +92,22 @@ def test_pytorch_backend_equals_library_generate(export_dir, tokenizer):
         assert_same_kept(q.compactions, forced.compaction_steps, forced.kept_positions)
 
 
+@pytest.mark.parametrize("decode", ["batched", "rows"], ids=["decode_batch", "slot-by-slot"])
+def test_mla_slots_equal_solo_runs(mla_export_dir, tokenizer, decode):
+    """An MLA cache (one latent tensor per layer, ``v_i`` empty) through the slots equals its solo runs."""
+    from kvexport.export.runtime import OrtGenerator
+
+    solo = OrtGenerator(mla_export_dir)
+    assert solo.settings["graphs"]["layers"][0]["value_dim"] == 0
+    backend = GraphSlots(mla_export_dir, max_sequences=2, decode=decode)
+    seqs, _ = run(backend, tokenizer)
+    for s in seqs:
+        assert s.tokens == solo.generate(np.array([s.prompt]), max_new_tokens=s.max_tokens).tokens[0].tolist()
+        forced = solo.generate(np.array([s.prompt]), max_new_tokens=s.max_tokens, forced_tokens=np.array([s.tokens]),
+                               track_kept=True)
+        assert_same_kept(s.compactions, forced.compaction_steps, forced.kept_positions)
+
+
 def test_tensorrt_host_logic_with_stand_in_engines(export_dir, tokenizer, solo, tmp_path):
     """The TensorRT flavour of the slots (TrtGenerator's hooks) on stand-in engines that run the ONNX graphs."""
     from tests.tensorrt.test_generator import OnnxAsEngine, fake_engines

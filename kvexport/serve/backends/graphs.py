@@ -28,8 +28,14 @@ import numpy as np
 
 from kvexport.cache.plan import positions_from_mask
 from kvexport.errors import BadArtifact, BadUsage
-from kvexport.export.runtime import OrtGenerator, _kind, _nbytes, _to_numpy
+from kvexport.export.runtime import _NP_OF_TORCH, OrtGenerator, _kind, _nbytes, _to_numpy
 from kvexport.serve.backends.base import DECODE_MODES, SlotBackend
+
+
+def _dtype(a):
+    """The NumPy element type of a buffer (a NumPy array, or a torch tensor on a GPU)."""
+    return a.dtype.type if isinstance(a, np.ndarray) else _NP_OF_TORCH[str(a.dtype)]
+
 
 PER_SLOT = ("kv", "positions", "queries", "query_positions")
 #: the host inputs each graph call below can give (checked at start: a stale export is refused before serving)
@@ -81,10 +87,16 @@ class _Slots:
         shapes = {**self.step_shapes, **getattr(self, "full_shapes", {})}
         self.chunk_rows = {n: self._array((*shape[:2], C, *shape[3:]), dt) for n, (shape, dt) in shapes.items()
                            if n in prefill_rows}
-        self.views = [{n: a[r:r + 1] for n, a in self.bank.items()} for r in range(self.rows)]
+        self.views = [{n: self._row(a, r) for n, a in self.bank.items()} for r in range(self.rows)]
+        self.row_out = [{n: self._row(a, r) for n, a in self.rows_out.items()} for r in range(self.rows)]
         self.states = [CacheState(self.plan) for _ in range(self.rows)]
         self.staging = {}
         self.select(0)
+
+    def _row(self, a, r: int):
+        """Slot r's view of a (rows, ...) buffer; an empty buffer (an MLA cache's ``v_i``, value_dim 0) gets an empty
+        buffer of its own, since a view of nothing cannot be bound in place."""
+        return a[r:r + 1] if _nbytes(a) else self._array((1, *a.shape[1:]), _dtype(a))
 
     def select(self, r: int) -> None:
         """Point the runner's host writes (``self.cache``, ``self.state``) at slot ``r``."""
@@ -173,7 +185,7 @@ class GraphSlots(SlotBackend):
         def one():
             rt.select(0)
             rt._call("decode", rt._feeds("decode", input_ids=zeros[:1], positions=zeros[:1]), rt._cache_inputs("decode"),
-                     {n: a[0:1] for n, a in rt.rows_out.items()})
+                     rt.row_out[0])
 
         def median(fn) -> float:
             times = []
@@ -252,12 +264,12 @@ class GraphSlots(SlotBackend):
                      persistent=True)
             logits = _to_numpy(rt.rows_out["logits"])[slots].copy()
             for r in slots:
-                self._write_step(r, steps[r], {n: a[r:r + 1] for n, a in rt.rows_out.items()})
+                self._write_step(r, steps[r], rt.row_out[r])
             return logits
         out = np.empty((len(slots), self.vocab_size), np.float32)
         for j, (r, tok) in enumerate(zip(slots, tokens, strict=True)):
             rt.select(r)
-            rows = {n: a[r:r + 1] for n, a in rt.rows_out.items()}
+            rows = rt.row_out[r]
             rt._call("decode", rt._feeds("decode", input_ids=np.array([[tok]], np.int64),
                                          positions=self._next[r:r + 1, None].copy()), rt._cache_inputs("decode"), rows)
             out[j] = _to_numpy(rows["logits"])[0]
