@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# MLA + eviction, the default of `kvexport convert`: latent rank 16 + RoPE 8 (5.3x per token) and SnapKV
-# with 256 + 32 slots. With a teacher in models/ (kvx-teacher-4x) it also distils the MLA student back
+# MLA + eviction beyond the 2x that `kvexport convert` applies by default: latent rank 16 + RoPE 8 (5.3x per
+# token) and SnapKV with 256 + 32 slots. Undistilled, that rank loses much of the model (docs/mla.md). With a teacher in models/ (kvx-teacher-4x) it also distils the MLA student back
 # towards it (forward KL) before exporting; set DISTILL=0 to skip.
 set -euo pipefail
 OUT=${1:-/tmp/kvx-mla-eviction}

@@ -58,8 +58,9 @@ def convert_cmd(
 ) -> None:
     """Convert a model in one go: load -> rewrite -> (distill) -> export -> (engine) -> validate -> profile -> report.
 
-    With no compression flags it applies the showcase settings (SnapKV, budget 256, window 32, MLA at about
-    5x). Any compression flag selects exactly what is given. DIR/convert.json reproduces the run with --config.
+    With no compression flags it applies the showcase settings (SnapKV, budget 256, window 32, MLA at 2x per
+    token with d_rope = head_dim: the studies' best trade-off, docs/mla.md). Any compression flag selects exactly
+    what is given. DIR/convert.json reproduces the run with --config.
     """
     from rich.console import Console
 

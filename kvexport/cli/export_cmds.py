@@ -28,6 +28,9 @@ def export_cmd(
                                                "`kvexport serve`; use with --batch 1)."),
     chunk: int = typer.Option(128, help="Prefill chunk length C (the prompt is fed C tokens at a time)."),
     dtype: str = typer.Option("fp32", help="fp32 or fp16."),
+    kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="How the cache stores K/V (or the MLA latent): "
+                                           "fp32, fp16, bf16, int8, fp8 (one byte per number plus a float16 scale "
+                                           "per token and head; docs/quantized.md). Default: --dtype."),
     ops: str = typer.Option("custom", help="custom: kvexport::TopKGather / LatentAttention nodes (backed by ONNX "
                             "functions); standard: plain ONNX ops only."),
     dynamic_cache: bool = typer.Option(False, "--dynamic-cache", help="Full cache with a growing past (baseline; "
@@ -47,7 +50,7 @@ def export_cmd(
         path = export_model(resolve_model(model), out, press=press, budget=budget, window=window, mla_rank=mla_rank,
                             rope_dim=rope_dim, batch=batch, chunk=chunk, dtype=dtype, ops=ops,
                             dynamic_cache=dynamic_cache, force=force, max_positions=max_positions,
-                            decode_batch=decode_batch, **kw)
+                            decode_batch=decode_batch, kv_dtype=kv_dtype, **kw)
     files = ", ".join(sorted(read_manifest(path)["files"]))
     stdout_console().print(f"exported to {path} in {p.elapsed:.1f}s: {files}", highlight=False)
 

@@ -30,6 +30,8 @@ def generate_cmd(
     chunk: Optional[int] = typer.Option(None, help="Prefill in chunks of this many tokens (bounded peak memory)."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", help="Tokens to generate."),
     dtype: str = typer.Option("fp32", help="fp32, fp16 or bf16."),
+    kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="How the cache stores K/V: fp32, fp16, bf16, "
+                                           "int8, fp8 (docs/quantized.md). Default: --dtype."),
     backend: str = typer.Option("onnxruntime", help="For an export directory: onnxruntime or tensorrt."),
     engines: Optional[Path] = typer.Option(None, help="TensorRT engine folder (default: DIR-tensorrt, written by "
                                            "`kvexport build-engine DIR`)."),
@@ -65,12 +67,16 @@ def generate_cmd(
     else:
         check_model_dir(model_path)
     p = build_press(press, budget, ratio)
+    if kv_dtype is not None:
+        from kvexport.cache.formats import kv_format
+
+        kv_format(kv_dtype)  # one line for an unknown name, before the model loads
     tok = load_tokenizer(model_path)
     ids, mask = encode_prompts(tok, prompts)
     decoder, _ = load_decoder(model_path, dtype)
     t0 = time.perf_counter()
     res = generate(decoder, ids, mask, press=p, window=window, chunk=chunk, max_new_tokens=max_new_tokens,
-                   eos_token_id=tok.eos_token_id)
+                   eos_token_id=tok.eos_token_id, kv_dtype=kv_dtype)
     dt = time.perf_counter() - t0
     for i in range(ids.shape[0]):
         console.print(f"[bold]{prompts[i][:60]!r}[/] -> {tok.decode(res.tokens[i].tolist())!r}", highlight=False)

@@ -59,27 +59,17 @@ def find_original(path, settings: dict, original=None) -> Path | None:
         rel, ab = settings.get(key_rel), settings.get(key_abs)
         cands = ([root / rel] if rel else []) + ([Path(ab)] if ab else [])
         for c in cands:
-            if c.is_dir() and (c / "config.json").is_file():
-                from kvexport.mla.io import is_mla_dir
+            if not c.is_dir():
+                continue
+            from kvexport.mla.io import is_mla_dir, source_model
 
-                if not is_mla_dir(c):
-                    return c.resolve()
-                up = _mla_original(c)
+            if is_mla_dir(c):  # a saved MLA model: the HF directory it was rewritten from, when it records one
+                up = source_model(c)
                 if up is not None:
-                    return up
+                    return up.resolve()
+            elif (c / "config.json").is_file():
+                return c.resolve()
     return None
-
-
-def _mla_original(mla_dir: Path) -> Path | None:
-    """The model an MLA directory was rewritten from, when its config records it."""
-    import json
-
-    try:
-        cfg = json.loads((mla_dir / "mla_config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    src = cfg.get("source_model") or cfg.get("settings", {}).get("source_model")
-    return Path(src) if src and Path(src).is_dir() else None
 
 
 def default_prefix(settings: dict, scored: int) -> int:

@@ -32,3 +32,19 @@ def test_generate_with_a_press_defaults_its_budget():
     r = _kvexport("generate", str(DEFAULT_MODEL), "--press", "knorm", "-p", "import os", "-n", "2")
     assert r.returncode == 0, r.stderr
     assert "press=knorm budget=256" in r.stdout
+
+
+def test_bad_kv_dtype_is_one_line(tmp_path):
+    """An unknown --kv-dtype: one line naming the accepted formats, a non-zero exit, no traceback, nothing
+    written."""
+    out = tmp_path / "x"
+    for args in (("export", str(DEFAULT_MODEL), "--out", str(out), "--press", "knorm", "--budget", "8",
+                  "--kv-dtype", "int4"),
+                 ("generate", str(DEFAULT_MODEL), "-p", "x", "-n", "1", "--kv-dtype", "int4")):
+        r = _kvexport(*args)
+        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and "--kv-dtype 'int4' unknown" in lines[0], r.stderr
+        for name in ("fp32", "fp16", "bf16", "int8", "fp8"):
+            assert name in lines[0]
+    assert not out.exists()

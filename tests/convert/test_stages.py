@@ -60,7 +60,7 @@ def test_energy_rank_per_layer(tiny_hf_dir, tmp_path):
     from kvexport.profile.run import cache_shape_of
 
     cfg, path, spec = resolve_settings(ConvertConfig(model=str(tiny_hf_dir), mla_energy=0.5))
-    assert cfg.rope_dim == 4 and cfg.mla_rank is None  # head 16 -> d_rope 4
+    assert cfg.rope_dim == 16 and cfg.mla_rank is None  # d_rope = head_dim (16)
     work = tmp_path / "w"
     work.mkdir()
     st = ConvertState(cfg=cfg, model_path=path, work=work, spec=spec)
@@ -69,4 +69,4 @@ def test_energy_rank_per_layer(tiny_hf_dir, tmp_path):
     ranks = [layer["kv_rank"] for layer in read_mla_config(work / "mla")["layers"]]
     assert st.notes["mla_ranks"] == ranks and all(r % 8 == 0 for r in ranks)
     shape = cache_shape_of(work, cfg.to_dict(), spec)
-    assert shape.bytes_per_token() == sum(r + 4 for r in ranks) * 4
+    assert shape.bytes_per_token() == sum(r + 16 for r in ranks) * 4  # fp32 latent + d_rope per layer

@@ -87,7 +87,7 @@ def test_graphs_pass_the_checker_and_carry_plugin_attributes(exported):
         onnx.checker.check_model(m, full_check=True)
         nodes = [n for n in m.graph.node if n.domain == "kvexport"]
         compacts = g.startswith("compact")
-        want = {("", 18), ("kvexport", 1)} if compacts else {("", 18)}
+        want = {("", 18), ("kvexport", 2)} if compacts else {("", 18)}
         assert {(o.domain, o.version) for o in m.opset_import} == want
         if not compacts:
             assert not nodes and not m.functions
