@@ -146,3 +146,18 @@ def test_source_model_is_recorded_and_carried(tmp_path):
     save_mla(rewrite_to_mla(tiny_model("llama"), MLASettings(kv_rank=16, rope_dim=8)), tmp_path / "d")
     assert json.loads((tmp_path / "d" / "kvexport_mla.json").read_text())["source_model"] is None
     assert source_model(tmp_path / "d") is None and source_model(tmp_path / "nope") is None
+
+
+def test_fidelity_finds_the_original_of_a_standalone_mla_export(tmp_path):
+    """An export of a saved MLA directory (no `original` in its settings): fidelity's find_original follows the
+    MLA directory's source_model to the HF directory it was rewritten from."""
+    from kvexport.cli import main
+    from kvexport.export.fidelity import find_original
+    from tests.mla.distill_fixtures import model_dir
+
+    src = model_dir(tmp_path / "hf")
+    assert main(["rewrite", str(src), "--mla-rank", "16", "--rope-dim", "8", "--out", str(tmp_path / "m")]) == 0
+    settings = {"source": str(tmp_path / "m"), "source_relative": "../m"}
+    assert find_original(tmp_path / "export", settings) == src.resolve()
+    assert find_original(tmp_path / "export", {"source": str(src)}) == src.resolve()  # an HF source is the original
+    assert find_original(tmp_path / "export", {"source": str(tmp_path / "nope")}) is None
