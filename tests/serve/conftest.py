@@ -3,7 +3,8 @@
 first worker exports, the others wait for it), and a copy of it whose tokenizer has a chat template.
 
 The export is small enough for compactions to happen in short runs: SnapKV budget 32 + window 8, prefill chunks
-of 16, ``decode_batch`` 4 (four slots decoded in one graph call), positions limited to 512.
+of 16, ``decode_batch`` 4 (four slots decoded in one graph call), positions limited to 512; and, for the tests
+that need it, the same rewritten to MLA (``mla_export_dir``, the kind of export ``kvexport convert`` makes).
 """
 
 from __future__ import annotations
