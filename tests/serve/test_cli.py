@@ -92,6 +92,21 @@ def test_an_export_of_another_version_is_refused_at_start(export_dir, tmp_path):
     one_line_error(kvexport("serve", str(stale), "--port", "0"), 4, r"prefill\.onnx wants inputs \['k_0_in'\]")
 
 
+def test_batched_decode_needs_a_decode_batch_graph(export_dir, tmp_path):
+    import shutil
+
+    from kvexport.export.manifest import ONNX_EXPORT, read_manifest, write_manifest
+
+    plain = tmp_path / "no-decode-batch"
+    shutil.copytree(export_dir, plain)
+    doc = read_manifest(plain)
+    doc["settings"]["decode_batch"] = None
+    del doc["settings"]["graphs"]["decode_batch"]
+    write_manifest(plain, ONNX_EXPORT, doc["settings"], doc["model_hash"], tuple(doc["reports"]))
+    one_line_error(kvexport("serve", str(plain), "--decode", "batched"), 2, "--decode batched needs a decode_batch "
+                   "graph")
+
+
 class Served:
     """``kvexport serve DIR --port 0`` in a subprocess; ``url`` from its first line."""
 

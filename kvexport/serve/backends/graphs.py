@@ -151,6 +151,9 @@ class GraphSlots(SlotBackend):
             rt = _OrtSlots(export_dir, threads=threads, slots=max_sequences or s.get("decode_batch") or 4,
                            decode=decode, **(runtime_kw or {}))
         check_feeds(rt)
+        if decode == "batched" and not rt.batched:
+            raise BadUsage(f"--decode batched needs a decode_batch graph; {export_dir} has none (export it with "
+                           "--batch 1 --decode-batch N), or serve it with --decode rows")
         self.rt, self.name, self.settings = rt, backend, rt.settings
         if rt.batched and max_sequences is not None and int(max_sequences) > rt.rows:
             raise BadUsage(f"--max-sequences {max_sequences} exceeds the export's decode batch ({rt.rows}); "
