@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """``kvexport serve`` as a user runs it (a subprocess): bad input is one line and a non-zero exit; a missing
 backend is refused before the port is bound; its greedy answers to the ``openai`` client (streamed and not) are the
-text ``kvexport generate`` prints for the same export; SIGTERM drains the requests in flight (bounded by
+text ``kvexport generate`` prints for the same export, and for a conversion directory (an MLA export in DIR/onnx,
+what the README serves); SIGTERM drains the requests in flight (bounded by
 --drain-timeout) and exits 0 without a traceback; the README's curl example works against it."""
 
 from __future__ import annotations
@@ -173,6 +174,31 @@ def test_served_greedy_equals_kvexport_generate(export_dir, tokenizer):
     finally:
         rc, out, err = srv.stop()
     assert rc == 0 and "Traceback" not in err, err
+
+
+def test_a_conversion_serves_its_onnx_export(mla_export_dir, tokenizer, tmp_path):
+    """What the README's `kvexport serve out/kvx-student` serves: a conversion directory (its outputs verified,
+    then DIR/onnx, an MLA export) answers as `kvexport generate DIR` does."""
+    import shutil
+
+    from kvexport.convert import layout
+
+    conv = tmp_path / "kvx-student"
+    shutil.copytree(mla_export_dir, conv / layout.ONNX_DIR)
+    (conv / layout.CONVERT_JSON).write_text("{}\n")
+    layout.record_outputs(conv)
+    want = generate_text(conv, GENERATE_PROMPTS[0], 16)
+    srv = Served(conv)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = client.completions.create(model="m", prompt=GENERATE_PROMPTS[0], max_tokens=16, temperature=0,
+                                      extra_body={"return_token_ids": True})
+        assert tokenizer.decode(r.choices[0].model_extra["token_ids"]) == want
+    finally:
+        rc, out, err = srv.stop()
+    assert rc == 0 and "Traceback" not in err, err
+    (conv / layout.CONVERT_JSON).write_text('{"altered": true}\n')  # a conversion is verified before serving
+    one_line_error(kvexport("serve", str(conv), "--port", "0"), 4, "convert.json was altered")
 
 
 BODY = {"model": "m", "prompt": "def parse(", "temperature": 0, "ignore_eos": True, "return_token_ids": True}
