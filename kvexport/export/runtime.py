@@ -463,25 +463,34 @@ class OrtGenerator:
             rows = self._call("decode", self._feeds("decode", input_ids=tok[:, None], positions=pos),
                               self._cache_inputs("decode"), self.step_out, persistent=True)
             last = self._logits_now()
-            for i, slot in enumerate(step.slots):
-                self._write_rows(rows, i, slot, pos)
-            if self.press is not None:
-                q = step.query_slot
-                for i in range(len(self.layers)):
-                    self.cache[f"qbuf_{i}"][:, :, q : q + 1] = rows[f"q_new_{i}"]
-                self.cache["qpos"][:, q : q + 1] = self._host(pos)
-            if step.compact:
-                start = self.state.query_start
-                fills = self.state.compact()
-                kept = self._call("compact", self._feeds("compact", fill=np.array(fills, np.int64),
-                                                         query_start=np.array([start], np.int64)),
-                                  self._cache_inputs("compact"), {})
-                self._write_kept(kept)
+            if self.apply_decode(step, rows, pos):
                 self._compacted(f"decode:{self.step}")
         self.step += 1
         self.next_pos = self.next_pos + 1
         self.last_logits = last
         return last.copy()
+
+    def apply_decode(self, step, rows: dict, pos) -> bool:
+        """What the plan's DecodeStep ``step`` asks of the host once the decode graph has run: the token's new
+        ``rows`` into their slots, its query into the ring (a press), then the compaction if due (the ``compact``
+        graph, kept rows into slots [0, budget)); ``pos`` (B, 1) the token's positions. -> whether it compacted.
+        One statement for every driver of these buffers (this generator, the server's slots)."""
+        for i, slot in enumerate(step.slots):
+            self._write_rows(rows, i, slot, pos)
+        if self.press is not None:
+            q = step.query_slot
+            for i in range(len(self.layers)):
+                self.cache[f"qbuf_{i}"][:, :, q : q + 1] = rows[f"q_new_{i}"]
+            self.cache["qpos"][:, q : q + 1] = self._host(pos)
+        if not step.compact:
+            return False
+        start = self.state.query_start
+        fills = self.state.compact()
+        kept = self._call("compact", self._feeds("compact", fill=np.array(fills, np.int64),
+                                                 query_start=np.array([start], np.int64)),
+                          self._cache_inputs("compact"), {})
+        self._write_kept(kept)
+        return True
 
     def _feeds(self, graph: str, **candidates: np.ndarray) -> dict[str, np.ndarray]:
         """The host inputs ``graph`` declares, out of ``candidates`` (buffers are bound separately)."""

@@ -284,20 +284,7 @@ class GraphSlots(SlotBackend):
         rt = self.rt
         rt.select(r)
         pos = self._next[r:r + 1, None].copy()  # (1, 1)
-        for i, slot in enumerate(step.slots):
-            rt._write_rows(rows, i, slot, pos)
-        if rt.press is not None:
-            q = step.query_slot
-            for i in range(len(rt.layers)):
-                rt.cache[f"qbuf_{i}"][:, :, q:q + 1] = rows[f"q_new_{i}"]
-            rt.cache["qpos"][:, q:q + 1] = rt._host(pos)
-        if step.compact:
-            start = rt.state.query_start
-            fills = rt.state.compact()
-            kept = rt._call("compact", rt._feeds("compact", fill=np.array(fills, np.int64),
-                                                 query_start=np.array([start], np.int64)),
-                            rt._cache_inputs("compact"), {})
-            rt._write_kept(kept)
+        if rt.apply_decode(step, rows, pos):  # the runtime's own host step, on slot r's row views
             self._compacted(r, f"decode:{self._steps[r]}")
         self._steps[r] += 1
         self._next[r] += 1
