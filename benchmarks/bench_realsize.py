@@ -7,7 +7,7 @@
 
 Shapes (random weights of the real layer shapes, saved once as fp32 safetensors under ``--cache``):
 
-    student      models/kvx-student (4 layers, hidden 128, vocabulary 4096): 2.6M parameters
+    student      models/kvx-student (4 layers, hidden 128, vocabulary 4096, tied): 1.3M parameters
     qwen3-385m   Qwen3-0.6B's layers (28 × hidden 1024, 16/8 heads of 128, MLP 2048), vocabulary 32k, tied: 385M
     llama-1b     Llama-3.2-1B's layers (16 × hidden 2048, 32/8 heads of 64, MLP 8192), vocabulary 32k, tied: 1.04B
 
@@ -197,7 +197,10 @@ def run_shape(s: RealShape, a: argparse.Namespace, log) -> dict:
     log(f"{s.name}: converting {model} ({weights / 1e9:.2f} GB of weights)")
     load0 = os.getloadavg()
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    env = dict(os.environ)
+    if a.threads:  # torch's intra-op pool (OpenMP/MKL); onnxruntime keeps its own default
+        env.update(OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads))
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     row = {"shape": asdict(s), "parameters": parameters(s), "weight_bytes": weights, "fp32_weight_bytes":
            4 * parameters(s), "wall_seconds": wall, "loadavg_start": list(load0), "loadavg_end": list(os.getloadavg()),
@@ -234,21 +237,42 @@ def markdown(res: dict) -> str:
                          f"{_gb(m['end_rss'])} |")
         lines.append(f"| {r['shape']['name']} | | | **all** | **{r['seconds']:.1f}** | | **{_gb(peak)}** | "
                      f"**{peak / w:.2f}** | |")
-    lines += ["", "| shape | artifact | GB | × weights (chosen dtype) |", "|---|---|---:|---:|"]
+    lines += ["", "The MLA model's own weights differ from the original's (at a low cache compression its latent "
+              "factors are larger than the GQA projections they replace): `× its model` compares the export with the "
+              "checkpoint it was made from (onnx/ with mla/, baseline/ and mla/ with the original).", "",
+              "| shape | artifact | GB | × original weights (chosen dtype) | × its model |", "|---|---|---:|---:|---:|"]
     for r in res["rows"]:
-        wb = r["fp32_weight_bytes"] // (2 if res["settings"].get("fp16") else 1)
-        for d, b in (r.get("artifacts") or {}).items():
-            lines.append(f"| {r['shape']['name']} | {d}/ | {_gb(b)} | {b / wb:.2f} |")
-    lines += ["", "| shape | variant | context | decode p50 ms | weight-read bound ms | × bound | load avg |",
+        wb = r["fp32_weight_bytes"] // (2 if r.get("settings", res["settings"]).get("fp16") else 1)
+        arts = r.get("artifacts") or {}
+        for d, b in arts.items():
+            own = arts["mla"] if d == "onnx" and "mla" in arts else wb
+            lines.append(f"| {r['shape']['name']} | {d}/ | {_gb(b)} | {b / wb:.2f} | "
+                         f"{b / own:.2f} |" if d != "plots" else f"| {r['shape']['name']} | {d}/ | {_gb(b)} | | |")
+    lines += ["", "Weight-read bound: the bytes of the variant's own weights file read once at the copy bandwidth "
+              "measured in the same process.", "",
+              "| shape | variant | context | decode p50 ms | weight-read bound ms | × bound | load avg |",
               "|---|---|---:|---:|---:|---:|---|"]
     for r in res["rows"]:
-        bound = r["fp32_weight_bytes"] / (r["bandwidth"]["copy_gbps"] * 1e9) * 1e3 if "bandwidth" in r else None
+        if "bandwidth" not in r:
+            continue
+        files = r.get("files") or {}
         for v, rows in (r.get("profile") or {}).items():
+            wfile = files.get("onnx/weights.data" if v == "converted" else "baseline/weights.data",
+                              r["fp32_weight_bytes"])
+            bound = wfile / (r["bandwidth"]["copy_gbps"] * 1e9) * 1e3
             for c in rows:
                 p50 = c["decode_ms_p50"]
                 lines.append(f"| {r['shape']['name']} | {v} | {c['context']} | {p50:.2f} | {bound:.2f} | "
                              f"{p50 / bound:.2f} | {r['loadavg_start'][0]:.1f} → {r['loadavg_end'][0]:.1f} |")
     return "\n".join(lines) + "\n"
+
+
+def _earlier_rows(path: Path, names: list[str]) -> list[dict]:
+    """The rows of an earlier ``realsize.json`` for shapes not run now (``--merge``: one shape per invocation)."""
+    if not path.is_file():
+        return []
+    rows = json.loads(path.read_text()).get("rows") or []
+    return [r for r in rows if r.get("shape", {}).get("name") not in names]
 
 
 def parse(argv):
@@ -262,6 +286,11 @@ def parse(argv):
     ap.add_argument("--mla-rank", type=int)
     ap.add_argument("--fp16", action="store_true", default=None)
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads in the conversion (OMP/MKL); default 1: "
+                    "on a shared CPU, OpenMP's barriers stall whenever another job holds a core (a 2048² eigh "
+                    "took 26 s on one thread, 118 s on two, at load 10); 0 = torch's default")
+    ap.add_argument("--merge", action="store_true", help="keep the rows of other shapes already in --out's "
+                    "realsize.json (run the shapes one at a time into one table)")
     ap.add_argument("--keep", action="store_true", help="keep each conversion directory under --cache/runs")
     ap.add_argument("--cprofile", action="append", default=[], choices=STAGES, help="cProfile this stage")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -290,13 +319,19 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown shape {n!r}; accepted: {', '.join(SHAPES)}")
     res = {"command": "python -m benchmarks.bench_realsize " + " ".join(sys.argv[1:] if argv is None else argv),
            "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-           "settings": {"contexts": a.contexts, "press": a.press, "budget": a.budget, "mla_rank": a.mla_rank,
-                        "fp16": bool(a.fp16), "baseline": not a.no_baseline},
+           "settings": {"contexts": a.contexts, "threads": a.threads, "press": a.press, "budget": a.budget,
+                        "mla_rank": a.mla_rank, "fp16": bool(a.fp16), "baseline": not a.no_baseline},
            "machine": {"cpus": os.cpu_count(), "memory_gib": round(os.sysconf("SC_PAGE_SIZE") *
                                                                    os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
            "rows": []}
+    kept = _earlier_rows(Path(a.out) / "realsize.json", names) if a.merge else []
+    done: list[dict] = []
     for n in names:
-        res["rows"].append(run_shape(SHAPES[n], a, log))
+        row = run_shape(SHAPES[n], a, log)
+        row.update(date_utc=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), settings=res["settings"])
+        done.append(row)
+        order = list(SHAPES)
+        res["rows"] = sorted(kept + done, key=lambda r: order.index(r["shape"]["name"]))
         (Path(a.out) / "realsize.json").write_text(json.dumps(res, indent=1))
         (Path(a.out) / "realsize.md").write_text(markdown(res))
         log(f"{n}: done")

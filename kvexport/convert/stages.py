@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import re
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,15 +136,21 @@ def mla_settings(cfg: ConvertConfig):
 
 # ----------------------------------------------------------------------------- stages
 def stage_load(st: ConvertState) -> str:
+    """The model for the rewrite, in fp32 (its SVDs); without MLA nothing here reads the weights (the export
+    loads the directory itself, in the export's dtype): only the checkpoint's headers are read, so a bf16
+    checkpoint of 8B parameters is never widened to a 32 GB fp32 copy."""
     from kvexport.cli import quiet_libraries
-    from kvexport.models.loading import load_decoder, load_tokenizer
+    from kvexport.models.loading import checkpoint_size, load_decoder, load_tokenizer
 
     quiet_libraries()  # no `Loading weights` bar, no accelerate checkpoint warnings in the stage lines
-    st.decoder, st.hf = load_decoder(st.model_path, "fp32")
+    n, size = checkpoint_size(st.model_path)
+    if st.cfg.uses_mla:  # an fp32 checkpoint is memory-mapped: only the pages the rewrite reads become resident
+        st.decoder, st.hf = load_decoder(st.model_path, "fp32")
+        n = sum(p.numel() for p in st.hf.parameters())
     if load_tokenizer(st.model_path) is None:
         st.notes["tokenizer"] = "none"
-    n = sum(p.numel() for p in st.hf.parameters())
     st.notes["parameters"] = int(n)
+    st.notes["weight_bytes"] = int(size)  # in the checkpoint's dtype
     return f"{st.spec.family}, {st.spec.num_layers} layers, {n / 1e6:.2f}M parameters"
 
 
@@ -152,6 +160,7 @@ def stage_rewrite(st: ConvertState) -> str:
 
     dec = rewrite_to_mla(st.decoder, mla_settings(st.cfg))
     st.mla_decoder = dec
+    release(st, "decoder", "hf")  # the original is not read again (distill loads its teacher itself)
     save_mla(dec, st.work / layout.MLA_DIR, tokenizer_dir=st.model_path, hf_config=_hf_config(st.model_path))
     ranks = [p.kv_rank for p in dec.mla_plans]
     st.notes["mla_ranks"] = ranks
@@ -195,6 +204,8 @@ def stage_export(st: ConvertState) -> str:
     from kvexport.convert.exporting import export_baseline, export_converted
 
     export_converted(st)
+    # validate and profile load what they compare from disk: the converted model is not needed in memory again
+    release(st, "mla_decoder")
     msg = f"{_dir_size(st.work / layout.ONNX_DIR) / 2**20:.1f} MiB"
     if st.cfg.baseline:
         export_baseline(st)
@@ -345,7 +356,7 @@ def run_convert(cfg: ConvertConfig, out: str | Path, force: bool = False, consol
             Stage("profile", lambda: stage_profile(st), cfg.profile, "--no-profile"),
         ]
         pipe = Pipeline(stages, console=console)
-        st.progress = pipe.step if pipe.live else None
+        st.progress = with_eta(pipe.step) if pipe.live else None
 
         def report() -> str:
             # convert.json first (the report reads it), then the report; convert.json is rewritten at the end
@@ -366,6 +377,48 @@ def run_convert(cfg: ConvertConfig, out: str | Path, force: bool = False, consol
 
 
 # ----------------------------------------------------------------------------- helpers
+def release(st: ConvertState, *names: str) -> None:
+    """Drop the state's references to models a later stage does not need, and give their memory back."""
+    from kvexport.models.loading import free_memory
+
+    for n in names:
+        setattr(st, n, None)
+    free_memory()
+
+
+_COUNTER = re.compile(r"(\d+)(?:-\d+)?/(\d+)")
+
+
+def with_eta(show):
+    """Wrap a ``progress(message)`` callback so that a counted sub-step (``"parity: prompt 3/7"``, ``"exporting
+    decode.onnx (2/4)"``) also shows the time left at the pace of the phase's steps so far (a phase: the first
+    word and the total; it restarts when the count does)."""
+    state = {"phase": None, "t0": 0.0, "k0": 0}
+
+    def progress(message: str) -> None:
+        m = _COUNTER.search(message)
+        if m is None:
+            state["phase"] = None
+            show(message)
+            return
+        k, n = int(m.group(1)), int(m.group(2))
+        phase = (message.split(" ", 1)[0], n)  # "exporting", "parity:", "fidelity:", "converted:" ...
+        now = time.perf_counter()
+        if phase != state["phase"] or k <= state["k0"]:
+            state.update(phase=phase, t0=now, k0=k)
+            show(message)
+            return
+        per = (now - state["t0"]) / (k - state["k0"])
+        show(f"{message} · ~{_duration(per * (n - k + 1))} left")
+
+    return progress
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
 def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
 

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -98,8 +99,8 @@ def resolve_decoder(model, dtype: str, mla_rank: int | None, rope_dim: int | Non
             is_mla_dir = None
         if is_mla_dir is not None and is_mla_dir(path):  # a saved MLA model (kvexport mla / convert)
             dec = load_mla(path, dtype=torch.float32)
-        else:
-            dec = Decoder.from_hf(load_hf_model(path, "fp32"))
+        else:  # memory-mapped; straight in the export's dtype unless the MLA rewrite needs fp32 first
+            dec = Decoder.from_hf(load_hf_model(path, "fp32" if mla_rank is not None else dtype))
     model_hash = _hash_model(dec, path)
     mla = None
     if mla_rank is not None:
@@ -179,8 +180,10 @@ def _latent_attention_as_custom_op():
         return
     saved = mla_attn.latent_attention
 
-    def routed(q, latent, q_positions, latent_positions, rank, scale):
-        return ops.latent_attention(q, latent, q_positions, latent_positions, int(rank), float(scale))
+    def routed(q, latent, q_positions, latent_positions, rank, scale, new_latent=None, latent_scale=None,
+               latent_format=0):
+        return ops.latent_attention(q, latent, q_positions, latent_positions, int(rank), float(scale), new_latent,
+                                    latent_scale, int(latent_format))
 
     mla_attn.latent_attention = routed
     try:
@@ -190,14 +193,14 @@ def _latent_attention_as_custom_op():
 
 
 def _finish_proto(model, custom: bool):
-    """Attach (custom) or inline (standard) the kvexport functions, strip per-node metadata, check."""
-    import onnx
+    """Attach (custom) or inline (standard) the kvexport functions, strip per-node metadata. The graph's weights
+    are external by now (:class:`SharedWeights`), so the proto is small; it is checked once saved (:func:`_check`)."""
     from onnx import inliner
 
     uses = {n.op_type for n in model.graph.node if n.domain == ops.DOMAIN}
     del model.functions[:]
     if uses:
-        model.functions.extend(f for f in ops.function_protos() if f.name in uses)
+        model.functions.extend(f for f in ops.function_protos(model) if f.name in uses)
     if not custom and uses:
         model = inliner.inline_local_functions(model)
         keep = [o for o in model.opset_import if o.domain != ops.DOMAIN]
@@ -216,9 +219,16 @@ def _finish_proto(model, custom: bool):
     import kvexport
 
     model.producer_version = kvexport.__version__
-    ops.register_schemas()
-    onnx.checker.check_model(model, full_check=True)
     return model
+
+
+def _check(path: Path) -> None:
+    """onnx's full check (schemas, shape inference) of a saved graph; by path, so that it finds the external
+    weights beside it without loading them."""
+    import onnx
+
+    ops.register_schemas()
+    onnx.checker.check_model(str(path), full_check=True)
 
 
 _REGISTRIES: dict = {}
@@ -254,7 +264,11 @@ def _torchlib_registry_once():
 
 
 def _export_graph(module, args: tuple, input_names: list[str], output_names: list[str], custom: bool,
-                  dynamic_shapes=None):
+                  weights: "SharedWeights", dynamic_shapes=None):
+    """Trace ``module`` and translate it to ONNX; -> (ModelProto without weight bytes, whether it uses
+    ``weights``' file). The exporter's initializers wrap the module's own tensors (no copy); after the clean-up
+    passes each large one is written to ``weights`` and replaced by a reference, one tensor at a time, before the
+    graph becomes a proto, so the weights are never serialized into memory."""
     table = ops.translation_table()
     with torch.no_grad(), warnings.catch_warnings(), _latent_attention_as_custom_op(), _torchlib_registry_once():
         warnings.simplefilter("ignore")
@@ -267,7 +281,12 @@ def _export_graph(module, args: tuple, input_names: list[str], output_names: lis
                                      input_names=input_names, output_names=output_names, optimize=False,
                                      dynamic_shapes=dynamic_shapes, verbose=False)
         _optimize(prog.model)
-    return _finish_proto(prog.model_proto, custom)
+        used = weights.externalize(prog.model)
+        import onnx_ir as ir
+
+        proto = ir.serde.serialize_model(prog.model)
+    del prog
+    return _finish_proto(proto, custom), used
 
 
 def _optimize(model) -> None:
@@ -292,60 +311,127 @@ def _optimize(model) -> None:
         common.DeduplicateInitializersPass(), common.CommonSubexpressionEliminationPass(), common.OutputFixPass(),
         common.NameFixPass(),
     )(model)
+    if _fold_weight_reshapes(model):
+        common.RemoveUnusedNodesPass()(model)
+
+
+def _fold_weight_reshapes(model) -> int:
+    """Replace ``Reshape(weight, constant shape)`` by the weight itself in the new shape (a view of the same
+    memory, stored so in weights.data); -> how many. onnxscript's folding leaves them (its input size limit), and
+    onnxruntime would fold each one in every session into a copy of its own (MLA's ``kv_b_proj``, reshaped
+    per head: 27 % of a Qwen3 MLA model's weights, twice: prefill and decode)."""
+    import numpy as np
+    import onnx_ir as ir
+
+    graph = model.graph
+    done = 0
+    for node in list(graph):
+        if node.op_type != "Reshape" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+            continue
+        data, shape = node.inputs[0], node.inputs[1]
+        t = data.const_value if data is not None and data.is_initializer() else None
+        if t is None or t.nbytes < EXTERNAL_MIN_BYTES or shape is None or shape.const_value is None:
+            continue
+        allowzero = node.attributes.get("allowzero")
+        dims = [int(d) for d in shape.const_value.numpy().reshape(-1)]
+        if not (allowzero is not None and allowzero.as_int()):
+            dims = [t.shape[i] if d == 0 else d for i, d in enumerate(dims)]  # 0: copy the input's dimension
+        arr = t.numpy()
+        try:
+            view = arr.reshape(dims)
+        except ValueError:
+            continue
+        if view.size and not np.shares_memory(view, arr):  # never a copy (a non-contiguous array would be one)
+            continue
+        out = node.outputs[0]
+        if out.is_graph_output():
+            continue
+        value = ir.Value(name=f"{data.name}_reshaped_{done}", shape=ir.Shape(view.shape), type=data.type,
+                         const_value=ir.Tensor(view, dtype=t.dtype, name=f"{data.name}_reshaped_{done}"))
+        graph.register_initializer(value)
+        out.replace_all_uses_with(value)
+        graph.remove(node, safe=True)
+        done += 1
+    return done
 
 
 class SharedWeights:
     """One ``weights.data`` for all graphs of an export: each initializer of at least ``EXTERNAL_MIN_BYTES`` is
     written once (identical bytes, dtype and shape are stored once however many graphs use them, under whatever
-    name the exporter gave them) and every graph's tensor points at it by offset. Tensors are appended as each
-    graph is saved and their bytes dropped from the graph, so no second copy of the weights builds up."""
+    name the exporter gave them) and every graph's tensor points at it by offset.
+
+    :meth:`externalize` works on the exporter's IR before any proto exists: each tensor's bytes are viewed (or,
+    for a folded transpose, made contiguous: one tensor at a time), hashed, appended when new, and the
+    initializer is replaced by a reference into the file. So an export holds the model's weights once (the
+    module's) plus at most one tensor, however large the model."""
 
     def __init__(self, directory: Path):
-        self.path = directory / WEIGHTS_FILE
+        self.dir = Path(directory)
+        self.path = self.dir / WEIGHTS_FILE
         self.offsets: dict[tuple, tuple[int, int]] = {}
         self.size = 0
 
-    def save(self, model, path: Path) -> bool:
-        """Write ``model`` to ``path`` with its large initializers in the shared file; -> whether it uses it."""
-        import hashlib
+    def _append(self, f, data: memoryview, key: tuple) -> tuple[int, int]:
+        if key not in self.offsets:
+            pad = -self.size % WEIGHT_ALIGN
+            f.write(b"\0" * pad)
+            self.size += pad
+            f.write(data)
+            self.offsets[key] = (self.size, data.nbytes)
+            self.size += data.nbytes
+        return self.offsets[key]
 
-        import onnx
+    def externalize(self, model) -> bool:
+        """Move every large initializer of the onnx_ir ``model`` (main graph) into the shared file; -> whether
+        the graph now uses it."""
+        import onnx_ir as ir
 
         used = False
         with open(self.path, "ab") as f:
-            for t in model.graph.initializer:
-                if t.data_location == onnx.TensorProto.EXTERNAL or len(t.raw_data) < EXTERNAL_MIN_BYTES:
+            for value in list(model.graph.initializers.values()):
+                t = value.const_value
+                if t is None or isinstance(t, ir.ExternalTensor) or t.nbytes < EXTERNAL_MIN_BYTES:
                     continue
-                key = (hashlib.sha256(t.raw_data).digest(), t.data_type, tuple(t.dims))
-                if key not in self.offsets:
-                    pad = -self.size % WEIGHT_ALIGN
-                    f.write(b"\0" * pad)
-                    self.size += pad
-                    f.write(t.raw_data)
-                    self.offsets[key] = (self.size, len(t.raw_data))
-                    self.size += len(t.raw_data)
-                offset, length = self.offsets[key]
-                t.ClearField("raw_data")
-                t.data_location = onnx.TensorProto.EXTERNAL
-                del t.external_data[:]
-                for k, v in (("location", WEIGHTS_FILE), ("offset", str(offset)), ("length", str(length))):
-                    e = t.external_data.add()
-                    e.key, e.value = k, v
+                data = _tensor_bytes(t)
+                key = (hashlib.sha256(data).digest(), int(t.dtype), tuple(t.shape.numpy()))
+                offset, length = self._append(f, data, key)
+                del data
+                value.const_value = ir.ExternalTensor(WEIGHTS_FILE, offset, length, t.dtype, shape=t.shape,
+                                                      name=value.name, base_dir=str(self.dir))
                 used = True
         if not used and self.size == 0:
             self.path.unlink(missing_ok=True)
-        onnx.save_model(model, str(path))
         return used
+
+    def save(self, model, path: Path, used: bool = True) -> bool:
+        """Write the graph proto ``model`` (weights already external) to ``path`` and check it; -> ``used``."""
+        import onnx
+
+        onnx.save_model(model, str(path))
+        _check(path)
+        return used
+
+
+#: ONNX element types whose raw bytes are the NumPy array's bytes (little-endian), so a tensor can be written from
+#: a view of its own memory; any other type goes through the tensor's ``tobytes`` (packed 4-bit types, strings)
+_VIEWABLE = {"FLOAT", "FLOAT16", "BFLOAT16", "DOUBLE", "INT8", "UINT8", "INT16", "UINT16", "INT32", "UINT32",
+             "INT64", "UINT64", "BOOL"}
+
+
+def _tensor_bytes(t) -> memoryview:
+    """The bytes ONNX stores for the onnx_ir tensor ``t`` (what ``t.tobytes()`` returns), as a view of the tensor's
+    memory where it is contiguous: a module parameter is not copied."""
+    import numpy as np
+
+    if t.dtype.name in _VIEWABLE and sys.byteorder == "little":
+        a = np.ascontiguousarray(t.numpy())
+        return memoryview(a.reshape(-1).view(np.uint8))
+    return memoryview(t.tobytes())
 
 
 # ----------------------------------------------------------------------------- example inputs
 def kv_examples(shapes: list[graphs.LayerShape], batch: int, dtype) -> list:
-    out = []
-    for s in shapes:
-        out += [torch.zeros(batch, s.heads, s.capacity, s.key_dim, dtype=dtype),
-                torch.zeros(batch, s.heads, s.capacity, s.value_dim, dtype=dtype),
-                torch.full((batch, s.heads, s.capacity), -1, dtype=torch.long)]
-    return out
+    return graphs.cache_examples(shapes, batch, dtype)
 
 
 def query_examples(shapes: list[graphs.LayerShape], batch: int, window: int, dtype) -> list:
@@ -359,7 +445,7 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
                  chunk: int = 128, dtype: str = "fp32", ops: str = "custom", dynamic_cache: bool = False,
                  force: bool = False, max_positions: int | None = None, source: str | Path | None = None,
                  tokenizer_dir: str | Path | None = None, original: str | Path | None = None,
-                 decode_batch: int | None = None, progress=None) -> Path:
+                 decode_batch: int | None = None, progress=None, kv_dtype: str | None = None) -> Path:
     """Export ``model`` to ``out_dir`` (written atomically; see the module docstring for the layout).
 
     model: HF model directory, in-memory HF ``*ForCausalLM``, or a kvexport Decoder (MLA-rewritten or not).
@@ -369,6 +455,8 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
     batch/chunk: static batch and prefill chunk; decode_batch: also a ``decode_batch.onnx`` decoding that many rows at
     once (sequences at their own positions and fills: a server's slots; prefill and compaction run per row with
     the batch-``batch`` graphs on row views of the same cache; the weights are shared, not copied);
+    kv_dtype: how the cache stores K/V (or the MLA latent): fp32, fp16, bf16, int8, fp8 (default: ``dtype``;
+    kvexport.cache.formats, docs/quantized.md);
     dtype "fp32"/"fp16"; ops "custom" (kvexport nodes backed
     by local functions) or "standard" (the functions inlined). Returns the output directory.
     source: for an in-memory ``model``, the directory its reference model lives in (an HF or saved MLA
@@ -385,6 +473,7 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
         raise BadUsage(f"--ops {opsel!r} unknown; accepted: custom, standard")
     if dtype not in DTYPES:
         raise BadUsage(f"--dtype {dtype!r} unknown; accepted: {', '.join(DTYPES)}")
+    kv_dtype = graphs.check_kv_dtype(kv_dtype, dtype, dynamic_cache)
     if decode_batch is not None and (int(decode_batch) < 1 or dynamic_cache):
         raise BadUsage(f"--decode-batch {decode_batch} must be >= 1, and needs a static cache (not --dynamic-cache)")
     for name, v in (("batch", batch), ("chunk", chunk), ("window", window)):
@@ -429,7 +518,8 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
         "decode_batch": int(decode_batch) if decode_batch is not None else None,
         "window": window_eff, "budgets": budgets if p is not None else None,
         "capacities": [b + window_eff for b in budgets] if not dynamic_cache else None,
-        "press": press_to_dict(p), "mla": mla, "dtype": dtype, "ops": opsel, "opset": ops_mod.OPSET,
+        "press": press_to_dict(p), "mla": mla, "dtype": dtype, "kv_dtype": kv_dtype, "ops": opsel,
+        "opset": ops_mod.OPSET,
         "custom_domain": {ops_mod.DOMAIN: ops_mod.OP_VERSION} if custom else None,
         "max_positions": max_pos, "source": str(src.resolve()) if src is not None else None,
         "source_relative": os.path.relpath(src.resolve(), Path(out).resolve()) if src is not None else None,
@@ -445,7 +535,8 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
             say("exporting model.onnx (growing past)")
             files["model"] = _export_dynamic(dec, tmp, batch, td, custom)
         else:
-            files.update(_export_static(dec, p, budgets, window_eff, batch, chunk, td, custom, tmp, say, decode_batch))
+            files.update(_export_static(dec, p, budgets, window_eff, batch, chunk, td, custom, tmp, say, decode_batch,
+                                        kv_dtype))
         settings["graphs"] = files
         tok_src = Path(tokenizer_dir) if tokenizer_dir is not None else _tokenizer_source(model, src)
         if tok_src is not None:
@@ -475,11 +566,11 @@ def _io(model) -> dict[str, list[str]]:
 
 
 def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: Path, say,
-                   decode_batch: int | None = None) -> dict[str, Any]:
-    shapes = graphs.layer_shapes(dec, budgets, window)
+                   decode_batch: int | None = None, kv_dtype: str | None = None) -> dict[str, Any]:
+    shapes = graphs.layer_shapes(dec, budgets, window, kv_dtype)
     L = len(shapes)
     wq = press is not None
-    kv, new = graphs.kv_names(L), graphs.new_names(L, wq)
+    kv, new = graphs.kv_names(shapes), graphs.new_names(shapes, wq)
     cache = kv_examples(shapes, batch, td)
     n_graphs = (4 if wq else 2) + (decode_batch is not None)
     files: dict[str, Any] = {}
@@ -488,30 +579,31 @@ def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: P
 
     def export(name: str, module, args, inputs, outputs, k: int) -> None:
         say(f"exporting {name}.onnx ({k}/{n_graphs})")
-        m = _export_graph(module.eval(), args, inputs, outputs, custom)
-        files[name] = {"file": f"{name}.onnx", "external_data": weights.save(m, tmp / f"{name}.onnx"), **_io(m)}
+        m, used = _export_graph(module.eval(), args, inputs, outputs, custom, weights)
+        files[name] = {"file": f"{name}.onnx", "external_data": weights.save(m, tmp / f"{name}.onnx", used), **_io(m)}
 
     ids = torch.zeros(batch, chunk, dtype=torch.long)
     pos = torch.arange(chunk).expand(batch, chunk).contiguous()
-    prefill = graphs.PrefillChunk(dec, press, budgets, window)
-    export("prefill", prefill, (ids, pos, *cache), ["input_ids", "positions"] + kv, ["logits"] + new, 1)
+    prefill = graphs.PrefillChunk(dec, press, budgets, window, kv_dtype)
+    new_prefill = graphs.new_names(shapes, wq, prefill.full_rows)
+    export("prefill", prefill, (ids, pos, *cache), ["input_ids", "positions"] + kv, ["logits"] + new_prefill, 1)
     ids1 = torch.zeros(batch, 1, dtype=torch.long)
     pos1 = torch.full((batch, 1), chunk, dtype=torch.long)
-    export("decode", graphs.DecodeStep(dec, press, budgets, window), (ids1, pos1, *cache),
+    export("decode", graphs.DecodeStep(dec, press, budgets, window, kv_dtype), (ids1, pos1, *cache),
            ["input_ids", "positions"] + kv, ["logits"] + new, 2)
     if wq:
         with torch.no_grad():
             chunk_rows = prefill(ids, pos, *cache)[1:]
         fill, one = torch.full((L,), 1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
-        export("compact_prefill", graphs.CompactPrefill(dec, press, budgets, window),
-               (fill, one, pos, *cache, *chunk_rows), ["fill", "n_pad", "positions"] + kv + new,
-               graphs.kv_names(L, "kept_"), 3)
-        export("compact", graphs.Compact(dec, press, budgets, window),
+        export("compact_prefill", graphs.CompactPrefill(dec, press, budgets, window, kv_dtype),
+               (fill, one, pos, *cache, *chunk_rows), ["fill", "n_pad", "positions"] + kv + new_prefill,
+               graphs.kv_names(shapes, "kept_"), 3)
+        export("compact", graphs.Compact(dec, press, budgets, window, kv_dtype),
                (fill, one, *cache, *query_examples(shapes, batch, window, td)),
-               ["fill", "query_start"] + kv + graphs.query_names(L), graphs.kv_names(L, "kept_"), 4)
+               ["fill", "query_start"] + kv + graphs.query_names(L), graphs.kv_names(shapes, "kept_"), 4)
     if decode_batch is not None:
         N = int(decode_batch)
-        export("decode_batch", graphs.DecodeStep(dec, press, budgets, window),
+        export("decode_batch", graphs.DecodeStep(dec, press, budgets, window, kv_dtype),
                (torch.zeros(N, 1, dtype=torch.long), torch.full((N, 1), chunk, dtype=torch.long),
                 *kv_examples(shapes, N, td)), ["input_ids", "positions"] + kv, ["logits"] + new, n_graphs)
     files["layers"] = [dataclasses.asdict(s) for s in shapes]
@@ -535,7 +627,8 @@ def _export_dynamic(dec, tmp: Path, batch: int, td, custom: bool) -> dict[str, A
     dyn = [{1: t}, {1: t}, {1: p}, tuple({2: p} for _ in range(2 * L))]
     args = (torch.zeros(batch, T, dtype=torch.long), torch.arange(P, P + T).expand(batch, T).contiguous(),
             torch.arange(P).expand(batch, P).contiguous(), *past)
-    m = _export_graph(graphs.GrowingPast(dec).eval(), args, ["input_ids", "positions", "past_positions"] + names_in,
-                      ["logits", "present_positions"] + names_out, custom, dynamic_shapes=tuple(dyn))
-    return {"file": "model.onnx", "external_data": SharedWeights(tmp).save(m, tmp / "model.onnx"), **_io(m)}
+    weights = SharedWeights(tmp)
+    m, used = _export_graph(graphs.GrowingPast(dec).eval(), args, ["input_ids", "positions", "past_positions"] + names_in,
+                            ["logits", "present_positions"] + names_out, custom, weights, dynamic_shapes=tuple(dyn))
+    return {"file": "model.onnx", "external_data": weights.save(m, tmp / "model.onnx", used), **_io(m)}
 

@@ -337,8 +337,11 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     from polygraphy.comparator import Comparator, SimpleCompareFunc
 
     from kvexport.export.exporter import press_from_dict
+    from kvexport.export.manifest import ONNX_EXPORT as KIND
+    from kvexport.export.manifest import verify_manifest
     from kvexport.export.runtime import OrtGenerator
     from kvexport.export.ties import TIE_RTOL
+    from kvexport.models.loading import free_memory
 
     say = progress or (lambda msg: None)
     if int(steps) < 1:
@@ -355,14 +358,18 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
         from kvexport.tensorrt.generator import TrtGenerator
 
         trt_generator = TrtGenerator(path, engines=engines)  # MissingBackend first when TensorRT / a GPU is absent
-    gen = candidate if candidate is not None else OrtGenerator(path, providers=providers)
-    s = gen.settings
+    # memory: the PyTorch reference is loaded before the onnxruntime sessions (a loader may briefly hold two copies
+    # of the weights; not on top of the sessions'), and released before the original model is loaded for fidelity
+    manifest = candidate.manifest if candidate is not None else verify_manifest(path, KIND)
+    s = manifest["settings"]
     d_atol, d_rtol, min_tok, min_idx = TOLERANCES[s["dtype"]]
     atol = d_atol if atol is None else float(atol)
     rtol = d_rtol if rtol is None else float(rtol)
     press = press_from_dict(s["press"])
     say("loading the PyTorch reference")
-    decoder = load_reference_model(gen.manifest, model, root=path)
+    decoder = load_reference_model(manifest, model, root=path)
+    gen = candidate if candidate is not None else OrtGenerator(path, providers=providers)
+    s = gen.settings
     tokenizer = None
     if s.get("tokenizer"):
         from kvexport.models.loading import load_tokenizer
@@ -404,6 +411,9 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
                              ties=referee.accepted if referee is not None else 0)
     finally:
         G_LOGGER.module_severity = old
+    # the reference (and the runners holding it) are done: free them before fidelity loads the original model
+    decoder = runners = cand_runner = ref_runner = known = trt_runner = trt_ref = None  # noqa: F841
+    free_memory()
     labels = {"onnxruntime": f"onnxruntime:{gen.providers[0]}", "tensorrt": "tensorrt", "pytorch": "pytorch"}
     pairs = {}
     for n, st in stats.items():

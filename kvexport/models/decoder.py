@@ -79,23 +79,40 @@ class Decoder(nn.Module):
     # ----------------------------------------------------------------- construction
     @classmethod
     def from_hf(cls, hf_model: nn.Module) -> "Decoder":
-        """Copy a transformers ``*ForCausalLM`` (Llama, Qwen2, Qwen3, Mistral) into a Decoder."""
+        """A transformers ``*ForCausalLM`` (Llama, Qwen2, Qwen3, Mistral) as a Decoder that **shares** its weights.
+
+        The Decoder is built on the meta device (no allocation, no random init) and its parameters are the HF
+        model's own tensors (``load_state_dict(assign=True)``), so both together hold the weights once; for a
+        checkpoint loaded by :func:`kvexport.models.loading.load_hf_model` these are memory-mapped safetensors.
+        Writing into one model's weights in place changes the other's.
+        """
         spec = ModelSpec.from_hf_config(hf_model.config)
         base = hf_model.model
-        rotary = Rotary.from_hf_rotary(base.rotary_emb)
+        rotary = Rotary.from_hf_rotary(base.rotary_emb)  # real: built outside the meta device
+        with torch.device("meta"):
+            dec = cls(spec, rotary)
         param = next(hf_model.parameters())
-        dec = cls(spec, rotary).to(dtype=param.dtype, device=param.device)
-        state = {k.removeprefix("model."): v for k, v in hf_model.state_dict().items() if "rotary_emb" not in k}
+        # one dtype throughout, as the copying version made it (a tensor of another dtype is converted alone)
+        state = {k.removeprefix("model."): v if v.dtype == param.dtype or not v.is_floating_point() else v.to(param.dtype)
+                 for k, v in hf_model.state_dict().items() if "rotary_emb" not in k}
         if spec.tie_word_embeddings:
             state["lm_head.weight"] = state["embed_tokens.weight"]
-        missing, unexpected = dec.load_state_dict(state, strict=False)
+        missing, unexpected = dec.load_state_dict(state, strict=False, assign=True)
         missing = [m for m in missing if not m.endswith("inv_freq")]
         if missing or unexpected:
             from kvexport.errors import BadModel
 
             raise BadModel(f"weights do not match the {spec.family} layout: missing {missing[:3]}, "
                            f"unexpected {unexpected[:3]}")
+        if spec.tie_word_embeddings:
+            dec.lm_head.weight = dec.embed_tokens.weight  # one parameter, as the HF model has it
+        dec.rotary.to(dtype=param.dtype, device=param.device)  # as the copying version left it
         dec.rotary.inv_freq.copy_(base.rotary_emb.inv_freq)
+        left = [n for n, t in list(dec.named_parameters()) + list(dec.named_buffers()) if t.is_meta]
+        if left:
+            from kvexport.errors import BadModel
+
+            raise BadModel(f"weights do not match the {spec.family} layout: no value for {left[:3]}")
         return dec.eval()
 
     def new_cache(self, batch: int, press, budgets: int | list[int], window: int, chunk: int | None = None) -> StaticCache:

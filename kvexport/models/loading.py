@@ -120,3 +120,42 @@ def load_decoder(model: str | Path | torch.nn.Module, dtype: str | torch.dtype =
             return load_mla(model, dtype), None
     hf = load_hf_model(model, dtype)
     return Decoder.from_hf(hf), hf
+
+
+#: bytes per element of the safetensors dtypes a checkpoint's weights come in
+_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
+             "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def checkpoint_size(path: str | Path) -> tuple[int, int]:
+    """(parameters, bytes) of an HF directory's ``*.safetensors``, read from their headers (nothing is loaded);
+    a tied head stored beside its embedding is counted once, as ``model.parameters()`` counts it."""
+    p = Path(path)
+    tied = bool(json.loads((p / "config.json").read_text()).get("tie_word_embeddings"))
+    n = size = 0
+    for f in sorted(p.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for name, t in header.items():
+            if name == "__metadata__" or (tied and name.endswith("lm_head.weight")):
+                continue
+            k = 1
+            for d in t["shape"]:
+                k *= int(d)
+            n += k
+            size += k * _ST_BYTES.get(t["dtype"], 4)
+    return n, size
+
+
+def free_memory() -> None:
+    """Collect what was just dropped and give it back to the OS: glibc keeps freed blocks below its (adaptive) mmap
+    threshold in its arenas, so without ``malloc_trim`` a released model's memory still counts in the RSS."""
+    import gc
+
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass

@@ -104,6 +104,7 @@ def cache_shape_of(d: Path, settings: dict[str, Any], spec) -> CacheShape:
 
 
 def _pytorch_runners(d: Path, settings: dict[str, Any], shape: CacheShape, max_tokens: int, with_baseline: bool):
+    """-> {variant: () -> runner}: each model is loaded only when its variant is profiled."""
     from kvexport.mla.io import is_mla_dir, load_mla
     from kvexport.models.loading import load_decoder
     from kvexport.presses import make_press
@@ -119,21 +120,24 @@ def _pytorch_runners(d: Path, settings: dict[str, Any], shape: CacheShape, max_t
         press = make_press(settings["press"], budget=int(settings["budget"]))
     mla_dir = d / layout.MLA_DIR
     weights = sorted(Path(model).glob("*.safetensors"))
-    if is_mla_dir(mla_dir):
-        conv_dec = load_mla(mla_dir, dtype)
-        conv_files = sorted(mla_dir.glob("*.safetensors"))
-    else:
-        conv_dec, _ = load_decoder(model, dtype)
-        conv_files = weights
-    runners = {"converted": PyTorchRunner(conv_dec, press, settings.get("budget"), int(settings.get("window") or 32),
-                                          chunk, max_tokens, conv_files, shape)}
+
+    def converted():
+        if is_mla_dir(mla_dir):
+            dec, files = load_mla(mla_dir, dtype), sorted(mla_dir.glob("*.safetensors"))
+        else:
+            dec, files = load_decoder(model, dtype)[0], weights
+        return PyTorchRunner(dec, press, settings.get("budget"), int(settings.get("window") or 32), chunk, max_tokens,
+                             files, shape)
+
+    runners = {"converted": converted}
     if with_baseline:
-        base_dec, _ = load_decoder(model, dtype)
-        runners["baseline"] = PyTorchRunner(base_dec, None, None, 1, chunk, max_tokens, weights, full_cache_of(shape))
+        runners["baseline"] = lambda: PyTorchRunner(load_decoder(model, dtype)[0], None, None, 1, chunk, max_tokens,
+                                                    weights, full_cache_of(shape))
     return runners
 
 
 def _onnx_runners(d: Path, shape: CacheShape, with_baseline: bool, backend: str):
+    """-> {variant: () -> runner}: each export's sessions are made only when its variant is profiled."""
     from kvexport.profile.runners import OrtRunner, TensorRTRunner
 
     exp = layout.export_dir_of(d)
@@ -142,10 +146,10 @@ def _onnx_runners(d: Path, shape: CacheShape, with_baseline: bool, backend: str)
         engines = d / layout.ENGINE_DIR if (d / layout.ENGINE_DIR).is_dir() else None
         # the growing-past baseline has no static shapes to build engines for, and timing it on another backend
         # would not be a comparison: profile it with --backend onnxruntime
-        return {"converted": TensorRTRunner(exp, shape, engines=engines)}
-    runners = {"converted": OrtRunner(exp, shape)}
+        return {"converted": lambda: TensorRTRunner(exp, shape, engines=engines)}
+    runners = {"converted": lambda: OrtRunner(exp, shape)}
     if with_baseline and base.is_dir():
-        runners["baseline"] = OrtRunner(base, full_cache_of(shape))
+        runners["baseline"] = lambda: OrtRunner(base, full_cache_of(shape))
     return runners
 
 
@@ -200,6 +204,8 @@ def profile_dir(d: str | Path, backend: str = "onnxruntime", contexts: list[int]
     if backend == "pytorch" and settings.get("plain_export") and settings.get("mla_ranks"):
         raise BadUsage(f"{d} is a bare MLA export: profile the PyTorch path on the `kvexport convert` directory "
                        "that holds its mla/ model")
+    from kvexport.models.loading import free_memory
+
     if backend == "pytorch":
         runners = _pytorch_runners(d, settings, shape, max(keep) + decode_steps, baseline)
     else:
@@ -207,10 +213,14 @@ def profile_dir(d: str | Path, backend: str = "onnxruntime", contexts: list[int]
     t0 = time.perf_counter()
     variants = {}
     with MachineLoad() as load:
-        for name, runner in runners.items():
+        for name, make in runners.items():
+            # one variant in memory at a time: each holds a whole model (its weights, its sessions or modules)
+            runner = make()
             step = None if progress is None else (lambda m, name=name: progress(f"{name}: {m}"))
             variants[name] = profile_runner(runner, keep, decode_steps, spec.vocab_size, seed, repeats=repeats,
                                             on_step=step)
+            runner = None
+            free_memory()
     result = {
         "version": PROFILE_VERSION,
         "backend": backend,
