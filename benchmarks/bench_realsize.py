@@ -154,6 +154,8 @@ def _child(a: argparse.Namespace) -> int:
         v = getattr(a, k)
         if v is not None:
             flags[k] = v
+    if a.no_fidelity:
+        flags["fidelity"] = False
     cfg = ConvertConfig.from_mapping(flags)
     out = Path(a.work)
     start_rss = _status_kb("VmRSS") * 1024
@@ -192,6 +194,8 @@ def run_shape(s: RealShape, a: argparse.Namespace, log) -> dict:
         cmd.append("--fp16")
     if a.no_baseline:
         cmd.append("--no-baseline")
+    if a.no_fidelity:
+        cmd.append("--no-fidelity")
     for c in a.cprofile:
         cmd += ["--cprofile", c]
     log(f"{s.name}: converting {model} ({weights / 1e9:.2f} GB of weights)")
@@ -221,7 +225,12 @@ def _gb(b) -> str:
 
 def markdown(res: dict) -> str:
     lines = [f"# kvexport convert on real-size shapes ({res['date_utc']})", "",
-             f"`{res['command']}`; settings {json.dumps(res['settings'])}", "",
+             f"`{res['command']}`; settings {json.dumps(res['settings'])}", ""]
+    for r in res["rows"]:  # --merge: each shape's own run
+        if "date_utc" in r:
+            lines.append(f"- {r['shape']['name']}: {r['date_utc']}, settings {json.dumps(r['settings'])}, load average "
+                         f"{r['loadavg_start'][0]:.1f} → {r['loadavg_end'][0]:.1f}, {r['wall_seconds']:.0f} s")
+    lines += ["",
              "| shape | parameters | fp32 weights GB | stage | wall s | cpu s | peak RSS GB | × weights | end RSS GB |",
              "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
@@ -286,6 +295,8 @@ def parse(argv):
     ap.add_argument("--mla-rank", type=int)
     ap.add_argument("--fp16", action="store_true", default=None)
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--no-fidelity", action="store_true", help="validate without the fidelity check against the "
+                    "original (which holds the original in fp32 beside the sessions)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads in the conversion (OMP/MKL); default 1: "
                     "on a shared CPU, OpenMP's barriers stall whenever another job holds a core (a 2048² eigh "
                     "took 26 s on one thread, 118 s on two, at load 10); 0 = torch's default")
@@ -320,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     res = {"command": "python -m benchmarks.bench_realsize " + " ".join(sys.argv[1:] if argv is None else argv),
            "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "settings": {"contexts": a.contexts, "threads": a.threads, "press": a.press, "budget": a.budget,
-                        "mla_rank": a.mla_rank, "fp16": bool(a.fp16), "baseline": not a.no_baseline},
+                        "mla_rank": a.mla_rank, "fp16": bool(a.fp16), "baseline": not a.no_baseline,
+                        "fidelity": not a.no_fidelity},
            "machine": {"cpus": os.cpu_count(), "memory_gib": round(os.sysconf("SC_PAGE_SIZE") *
                                                                    os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
            "rows": []}
