@@ -158,7 +158,7 @@ def stage_rewrite(st: ConvertState) -> str:
     from kvexport.mla.io import save_mla
     from kvexport.mla.rewrite import rewrite_to_mla
 
-    dec = rewrite_to_mla(st.decoder, mla_settings(st.cfg))
+    dec = rewrite_to_mla(st.decoder, mla_settings(st.cfg), progress=st.progress)
     st.mla_decoder = dec
     release(st, "decoder", "hf")  # the original is not read again (distill loads its teacher itself)
     save_mla(dec, st.work / layout.MLA_DIR, tokenizer_dir=st.model_path, hf_config=_hf_config(st.model_path))

@@ -185,10 +185,12 @@ def default_calibration(spec, device=None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def rewrite_to_mla(model, settings: MLASettings, calibration_ids: torch.Tensor | None = None) -> Decoder:
+def rewrite_to_mla(model, settings: MLASettings, calibration_ids: torch.Tensor | None = None,
+                   progress=None) -> Decoder:
     """A Decoder (or HF ``*ForCausalLM``) -> a new Decoder whose attention layers are :class:`MLAAttention`.
 
     calibration_ids (B, T): text for the statistics of every init (default: :func:`default_calibration`).
+    progress: called with ``"rewrite: layer i/L"`` before each layer's factorisation (convert shows it with an ETA).
     Raises :class:`~kvexport.errors.BadUsage` for settings the model cannot take, :class:`BadModel` for a
     model that is not a kvexport GQA decoder with RoPE, or whose layers use a sliding window (MLA attention
     attends to every cached token).
@@ -213,6 +215,8 @@ def rewrite_to_mla(model, settings: MLASettings, calibration_ids: torch.Tensor |
     new = copy.deepcopy(dec)
     plans = []
     for i, layer in enumerate(new.layers):
+        if progress is not None:
+            progress(f"rewrite: layer {i + 1}/{len(new.layers)}")
         plan, weights = plan_layer(dec.layers[i].self_attn, settings, xs[i])
         attn = MLAAttention(spec, plan, dec.rotary, absorb=settings.absorb)
         state = {k: v.to(p.dtype) for k, v in weights.items()}

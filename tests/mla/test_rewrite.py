@@ -253,3 +253,11 @@ def test_norm_init_uses_calibration(tiny_models):
         k = a.k_proj(xs[0].float()).view(-1, a.num_kv_heads, a.head_dim)
     expect = sorted(torch.topk(pair_norm_scores(q.double(), k.double()), 2).indices.tolist())
     assert mla.mla_plans[0].rope_pairs == expect
+
+
+def test_rewrite_reports_each_layer():
+    """progress sees one "rewrite: layer i/L" per layer, in order, before its factorisation (convert's ETA)."""
+    seen = []
+    model = tiny_model("llama", num_hidden_layers=3)
+    rewrite_to_mla(model, MLASettings(kv_rank=16, rope_dim=8), progress=seen.append)
+    assert seen == ["rewrite: layer 1/3", "rewrite: layer 2/3", "rewrite: layer 3/3"]
