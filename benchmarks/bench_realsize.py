@@ -315,6 +315,8 @@ def parse(argv):
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
+    # absolute: each shape's child runs in the repository, not in the caller's directory
+    a.out, a.cache = str(Path(a.out).resolve()), str(Path(a.cache).resolve())
     Path(a.out).mkdir(parents=True, exist_ok=True)
     if a.child:
         a.baseline = False if a.no_baseline else None

@@ -58,6 +58,8 @@ SKIP = [
                                                     "tests/benchmarks/test_bench_smoke.py"),
     (r"^python -m benchmarks --tiny", "tests/benchmarks/test_bench_smoke.py runs it"),
     (r"^python -m benchmarks --render", "needs the results of a full benchmark run"),
+    (r"^python -m benchmarks\.bench_realsize", "converts real-size shapes (minutes for the student, an hour for "
+                                               "the 385M and 1B shapes); docs/realsize/ holds the measured run"),
     (r"^python scripts/train_reference\.py", "trains the reference models (hours)"),
     (r"lm_eval", "needs the optional lm-eval package (pip install 'kvexport[eval]')"),
 ]
