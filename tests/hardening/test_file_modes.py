@@ -16,6 +16,15 @@ def modes(root):
     return {p.relative_to(root).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in [root, *root.rglob("*")]}
 
 
+def assert_modes(root, file_mode: int, dir_mode: int) -> dict:
+    """Every file under ``root`` has ``file_mode`` and every directory (``root`` too) ``dir_mode``; -> the modes."""
+    got = modes(root)
+    for name, mode in got.items():
+        want = dir_mode if (root / name).is_dir() else file_mode
+        assert mode == want, f"{name}: {oct(mode)} != {oct(want)}"
+    return got
+
+
 @pytest.mark.parametrize("mask,file_mode,dir_mode", [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)])
 def test_export_and_parity_follow_the_umask(tiny_models, tmp_path, mask, file_mode, dir_mode):
     old = os.umask(mask)
@@ -25,8 +34,5 @@ def test_export_and_parity_follow_the_umask(tiny_models, tmp_path, mask, file_mo
         validate(out, model=hf, prompts=[9], steps=2, fidelity=False)
     finally:
         os.umask(old)
-    got = modes(out)
+    got = assert_modes(out, file_mode, dir_mode)
     assert "weights.data" in got and "parity.json" in got
-    for name, mode in got.items():
-        want = dir_mode if (out / name).is_dir() else file_mode
-        assert mode == want, f"{name}: {oct(mode)} != {oct(want)}"

@@ -96,18 +96,13 @@ def test_cli_rewrite_matches_api(tmp_path):
     assert json.loads((tmp_path / "mla" / "kvexport_mla.json").read_text())["hf_config"]["model_type"] == "qwen2"
 
 
-def _modes(root):
-    import stat
-
-    return {p.relative_to(root).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in [root, *root.rglob("*")]}
-
-
 @pytest.mark.parametrize("mask,file_mode,dir_mode", [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)])
 def test_saved_files_follow_the_umask(tmp_path, mask, file_mode, dir_mode):
     """The directory and every file get the modes the user's umask gives (not mkdtemp's 0700), copied
     tokenizer files included."""
     import os
 
+    from tests.hardening.test_file_modes import assert_modes
     from tests.mla.distill_fixtures import model_dir
 
     src = model_dir(tmp_path / "hf")
@@ -118,11 +113,8 @@ def test_saved_files_follow_the_umask(tmp_path, mask, file_mode, dir_mode):
         out = save_mla(rewrite_to_mla(dec, MLASettings(kv_rank=16, rope_dim=8)), tmp_path / "m", tokenizer_dir=src)
     finally:
         os.umask(old)
-    got = _modes(out)
+    got = assert_modes(out, file_mode, dir_mode)
     assert "tokenizer.json" in got and "model.safetensors" in got
-    for name, mode in got.items():
-        want = dir_mode if (out / name).is_dir() else file_mode
-        assert mode == want, f"{name}: {oct(mode)} != {oct(want)}"
 
 
 def test_source_model_is_recorded_and_carried(tmp_path):
