@@ -126,19 +126,26 @@ def optimum_export(shape: Shape, cache: Path, venv_python: Path, log=print, time
     if not rebuild and (out / "model.onnx").is_file() and (out / "config.json").is_file():
         return out, None
     cli = Path(venv_python).parent / "optimum-cli"
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     log(f"  optimum-cli export onnx {shape.name} ...")
-    t0 = time.time()
-    r = subprocess.run([str(cli), "export", "onnx", "--model", str(src), "--task", "text-generation-with-past",
-                        "--framework", "pt", str(tmp)], capture_output=True, text=True, timeout=timeout_s)
-    if r.returncode != 0 or not (tmp / "model.onnx").is_file():
-        raise RuntimeError("optimum-cli export failed:\n" + (r.stdout + r.stderr)[-2000:])
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    dt = time.time() - t0
+    dt = _build_into(out, lambda tmp: [str(cli), "export", "onnx", "--model", str(src), "--task",
+                                       "text-generation-with-past", "--framework", "pt", str(tmp)],
+                     "model.onnx", "optimum-cli export", timeout_s)
     log(f"  optimum export of {shape.name} in {dt:.0f} s")
     return out, dt
+
+
+def _build_into(out: Path, command, marker: str, what: str, timeout_s: float) -> float:
+    """Run ``command(tmp)`` (a build writing into ``tmp``), then move ``tmp`` to ``out`` when it wrote ``marker``
+    (nothing half-built is left at ``out``); -> seconds. Raises RuntimeError with the build's output tail."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    t0 = time.time()
+    r = subprocess.run(command(tmp), capture_output=True, text=True, timeout=timeout_s)
+    if r.returncode != 0 or not (tmp / marker).is_file():
+        raise RuntimeError(f"{what} failed:\n" + (r.stdout + r.stderr)[-2000:])
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return time.time() - t0
 
 
 def ortgenai_build(shape: Shape, cache: Path, venv_python: Path, log=print, timeout_s: float = 1800.0,
@@ -149,17 +156,10 @@ def ortgenai_build(shape: Shape, cache: Path, venv_python: Path, log=print, time
     out = cache / "ortgenai" / src.name
     if not rebuild and (out / "genai_config.json").is_file() and (out / "model.onnx").is_file():
         return out, None
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     log(f"  onnxruntime-genai builder on {shape.name} ...")
-    t0 = time.time()
-    r = subprocess.run([str(venv_python), "-m", "onnxruntime_genai.models.builder", "-i", str(src), "-o", str(tmp),
-                        "-p", "fp32", "-e", "cpu"], capture_output=True, text=True, timeout=timeout_s)
-    if r.returncode != 0 or not (tmp / "genai_config.json").is_file():
-        raise RuntimeError("onnxruntime-genai builder failed:\n" + (r.stdout + r.stderr)[-2000:])
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    dt = time.time() - t0
+    dt = _build_into(out, lambda tmp: [str(venv_python), "-m", "onnxruntime_genai.models.builder", "-i", str(src),
+                                       "-o", str(tmp), "-p", "fp32", "-e", "cpu"],
+                     "genai_config.json", "onnxruntime-genai builder", timeout_s)
     log(f"  onnxruntime-genai build of {shape.name} in {dt:.0f} s")
     return out, dt
 
