@@ -101,6 +101,47 @@ __device__ __forceinline__ float warpSum(float x)
     return x;
 }
 
+//! float8 e4m3fn bit pattern -> float, exactly (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; 0x7F / 0xFF are
+//! NaN, no infinities). Bit manipulation only: no FP8 hardware needed (kvexport.cache.quant.FP8_VALUES).
+__device__ __forceinline__ float e4m3ToFloat(uint32_t code)
+{
+    uint32_t const e = (code >> 3) & 15u;
+    uint32_t const m = code & 7u;
+    float v;
+    if (e == 0)
+    {
+        v = static_cast<float>(m) * 0.001953125F; // subnormal: m * 2^-9
+    }
+    else if (e == 15 && m == 7)
+    {
+        v = NAN;
+    }
+    else
+    {
+        v = __uint_as_float(((e + 120u) << 23) | (m << 20)); // (1 + m / 8) * 2^(e - 7)
+    }
+    return (code & 0x80u) ? -v : v;
+}
+
+//! One cached code's value before the row scale: int8 codes are `q + 128`, fp8 codes e4m3fn bit patterns.
+__device__ __forceinline__ float decodeLatentCode(uint32_t code, int32_t format)
+{
+    return format == kLatentFormatInt8 ? static_cast<float>(code) - 128.0F : e4m3ToFloat(code);
+}
+
+//! Where a launch's slot rows come from: slots [0, cacheSlots) the cache (rows in T, or uint8 codes + fp16 row
+//! scales), slots [cacheSlots, cacheSlots + T) this step's new rows (in T) when newLatent is set.
+template <typename T>
+struct LatentSource
+{
+    T const* latent;            // format 0: (B, S, D)
+    unsigned char const* codes; // format 1 / 2: (B, S, D) uint8
+    __half const* scale;        // format 1 / 2: (B, S)
+    T const* newLatent;         // (B, T, D) or null
+    int32_t format;
+    int32_t cacheSlots; // S
+};
+
 // ---------------------------------------------------------------------------------------------------------------
 // Tensor-core path
 
@@ -137,11 +178,13 @@ struct MmaArgs
 {
     T const* q;
     T const* latent;
+    T const* newLatent; // (B, T, D) this step's rows (slots [cacheSlots, slots)), or null
     int64_t const* qPos;
     int64_t const* latPos;
-    int32_t rows;    // heads * queries
-    int32_t queries; // T
-    int32_t slots;   // S
+    int32_t rows;       // heads * queries
+    int32_t queries;    // T
+    int32_t slots;      // S (+ T with newLatent)
+    int32_t cacheSlots; // S
     int32_t dim;     // D
     int32_t dk;      // D rounded up to 16 (the k extent of S = Q Lat^T)
     int32_t ld;      // shared row stride of Q and latent tiles, elements (dk + 8: conflict-free ldmatrix rows)
@@ -240,8 +283,11 @@ __global__ void __launch_bounds__(kMmaMaxThreads) latentMmaKernel(MmaArgs<T> con
     int32_t const tileEnd = min(tiles, tileBegin + a.tilesPerSplit);
     int32_t const rowBytes = a.dim * static_cast<int32_t>(sizeof(T));
     int32_t const chunksPerRow = rowBytes / a.vec;
-    auto const* latB = reinterpret_cast<unsigned char const*>(a.latent + b * a.slots * a.dim);
-    int64_t const* lpB = a.latPos + b * a.slots;
+    auto const* latB = reinterpret_cast<unsigned char const*>(a.latent + b * a.cacheSlots * a.dim);
+    auto const* newB = a.newLatent == nullptr ? nullptr
+                                              : reinterpret_cast<unsigned char const*>(a.newLatent + b * a.queries * a.dim);
+    int64_t const* lpB = a.latPos + b * a.cacheSlots;
+    int64_t const* qpB = a.qPos + b * a.queries;
 
     // issues the copies of one tile (latent rows and their positions) as one cp.async group
     auto load = [&](int32_t tile, int32_t stage) {
@@ -252,7 +298,10 @@ __global__ void __launch_bounds__(kMmaMaxThreads) latentMmaKernel(MmaArgs<T> con
             int32_t const r = i / chunksPerRow;
             int32_t const c = i - r * chunksPerRow;
             bool const in = s0 + r < a.slots;
-            unsigned char const* src = latB + static_cast<int64_t>(in ? s0 + r : 0) * rowBytes + c * a.vec;
+            int32_t const slot = in ? s0 + r : 0;
+            unsigned char const* src = slot < a.cacheSlots
+                ? latB + static_cast<int64_t>(slot) * rowBytes + c * a.vec
+                : newB + static_cast<int64_t>(slot - a.cacheSlots) * rowBytes + c * a.vec;
             void* d = dst + r * a.ld * static_cast<int32_t>(sizeof(T)) + c * a.vec;
             int32_t const bytes = in ? a.vec : 0;
             if (a.vec == 16)
@@ -271,7 +320,8 @@ __global__ void __launch_bounds__(kMmaMaxThreads) latentMmaKernel(MmaArgs<T> con
         for (int32_t r = tid; r < n; r += nThreads)
         {
             bool const in = s0 + r < a.slots;
-            cpAsync<8>(sLp(stage) + r, lpB + (in ? s0 + r : 0), in ? 8 : 0);
+            int32_t const slot = in ? s0 + r : 0;
+            cpAsync<8>(sLp(stage) + r, slot < a.cacheSlots ? lpB + slot : qpB + (slot - a.cacheSlots), in ? 8 : 0);
         }
         cpAsyncCommit();
     };
@@ -551,9 +601,49 @@ __device__ void stageRows(float* dst, T const* src, int32_t nRows, int32_t valid
     }
 }
 
+//! Stages slots [s0, s0 + kSimtTileSlots) of batch b into float32 shared rows of stride `dp` (rows >= nValid zero):
+//! cache rows in T as they are, quantized cache rows dequantized while loading (value rounded to T, as the reference
+//! dequantizes to q's dtype), new rows from newLatent. No fp32 copy of the cache exists outside this tile.
+template <typename T>
+__device__ void stageLatentTile(
+    float* dst, LatentSource<T> const& src, int64_t b, int32_t queries, int32_t s0, int32_t nValid, int32_t dim, int32_t dp)
+{
+    int32_t const S = src.cacheSlots;
+    if (src.format == kLatentFormatNone && src.newLatent == nullptr)
+    {
+        stageRows(dst, src.latent + (b * S + s0) * dim, kSimtTileSlots, nValid, dim, dp);
+        return;
+    }
+    for (int32_t i = threadIdx.x; i < kSimtTileSlots * dim; i += blockDim.x)
+    {
+        int32_t const row = i / dim;
+        int32_t const c = i - row * dim;
+        int32_t const slot = s0 + row;
+        float v = 0.0F;
+        if (row < nValid && slot < S)
+        {
+            int64_t const at = (b * S + slot) * dim + c;
+            if (src.format == kLatentFormatNone)
+            {
+                v = toFloat(src.latent[at]);
+            }
+            else
+            {
+                float const x = decodeLatentCode(src.codes[at], src.format) * __half2float(src.scale[b * S + slot]);
+                v = toFloat(fromFloat<T>(x));
+            }
+        }
+        else if (row < nValid)
+        {
+            v = toFloat(src.newLatent[(b * queries + slot - S) * dim + c]);
+        }
+        dst[row * dp + c] = v;
+    }
+}
+
 template <typename T, int32_t RPL>
 __global__ void __launch_bounds__(kSimtMaxRowsPerBlock / kSimtRowsPerWarp * 32) latentSimtKernel(
-    T const* __restrict__ q, T const* __restrict__ latent, int64_t const* __restrict__ qPos,
+    T const* __restrict__ q, LatentSource<T> const src, int64_t const* __restrict__ qPos,
     int64_t const* __restrict__ latPos, int32_t rows, int32_t queries, int32_t slots, int32_t dim, int32_t dp,
     int32_t rank, float scale, int32_t rowsPerBlock, int32_t tilesPerSplit, int32_t splits,
     float* __restrict__ partMax, float* __restrict__ partSum, float* __restrict__ partAcc)
@@ -596,20 +686,19 @@ __global__ void __launch_bounds__(kSimtMaxRowsPerBlock / kSimtRowsPerWarp * 32) 
     int32_t const tileBegin = split * tilesPerSplit;
     int32_t const tileEnd = min(tiles, tileBegin + tilesPerSplit);
     int32_t const dim4 = dim & ~3;
-    T const* latB = latent + b * slots * dim;
-
     for (int32_t tile = tileBegin; tile < tileEnd; ++tile)
     {
         int32_t const s0 = tile * kSimtTileSlots;
         int32_t const nValid = min(kSimtTileSlots, slots - s0);
         __syncthreads(); // previous tile fully consumed (and sQ staged on the first pass)
-        stageRows(sTile, latB + static_cast<int64_t>(s0) * dim, kSimtTileSlots, nValid, dim, dp);
+        stageLatentTile(sTile, src, b, queries, s0, nValid, dim, dp);
         __syncthreads();
 
         // logits: lane = slot
         int32_t const slot = s0 + lane;
         bool const inRange = lane < nValid;
-        int64_t const lp = inRange ? latPos[b * slots + slot] : -1;
+        int32_t const S = src.cacheSlots;
+        int64_t const lp = !inRange ? -1 : (slot < S ? latPos[b * S + slot] : qPos[b * queries + slot - S]);
         float dot[kSimtRowsPerWarp];
 #pragma unroll
         for (int32_t r = 0; r < kSimtRowsPerWarp; ++r)
@@ -802,11 +891,16 @@ int32_t mmaVecBytes(int32_t dim, int32_t elemSize, void const* latent)
 
 bool mmaConfig(LatentAttentionParams const& p, KvxDeviceInfo const& dev, Config& c)
 {
-    if (p.dataType == static_cast<int32_t>(KvxDType::kFLOAT32) || dev.ccMajor < 8)
+    if (p.dataType == static_cast<int32_t>(KvxDType::kFLOAT32) || dev.ccMajor < 8
+        || p.latentFormat != kLatentFormatNone)
     {
-        return false;
+        return false; // quantized caches take the CUDA-core path (dequantized while staging its float32 tiles)
     }
-    int32_t const vec = mmaVecBytes(p.dim, 2, p.latent);
+    int32_t vec = mmaVecBytes(p.dim, 2, p.latent);
+    if (p.newLatent != nullptr)
+    {
+        vec = std::min(vec, mmaVecBytes(p.dim, 2, p.newLatent)); // one chunk size for both row sources
+    }
     if (vec == 0)
     {
         return false;
@@ -867,7 +961,10 @@ LatentAttentionPlan chooseSplits(LatentAttentionParams const& p, KvxDeviceInfo c
     int64_t const es = p.dataType == static_cast<int32_t>(KvxDType::kFLOAT32) ? 4 : 2;
     int64_t const rows = static_cast<int64_t>(p.heads) * p.queries;
     int64_t const rowTiles = ceilDiv(rows, c.rowsPerBlock);
-    int64_t const tiles = ceilDiv(p.slots, c.tileSlots);
+    int32_t const totalSlots = latentAttentionTotalSlots(p);
+    int64_t const tiles = ceilDiv(totalSlots, c.tileSlots);
+    bool const quantized = p.latentFormat != kLatentFormatNone;
+    double const cacheRowBytes = quantized ? p.dim + 2.0 : static_cast<double>(p.dim * es); // codes + fp16 scale
     bool const tensor = c.path == LatentAttentionPath::kMma;
 
     double const clock = dev.clockKHz > 0 ? dev.clockKHz * 1e3 : 1.4e9;
@@ -883,7 +980,7 @@ LatentAttentionPlan chooseSplits(LatentAttentionParams const& p, KvxDeviceInfo c
     int32_t const byRegs = tensor && c.nt == 32 ? 1 : 2;
     int32_t const perSM = std::max(1, std::min({bySmem, 2048 / c.threads, byRegs}));
     int64_t const concurrent = static_cast<int64_t>(sms) * perSM;
-    double const bytesPerSlot = static_cast<double>(p.dim * es + 8);
+    double const bytesPerSlot = cacheRowBytes + 8;
     double const kExtent = tensor ? c.dk + ceilDiv(p.rank, 16) * 16 : p.dim + p.rank;
     double const flopsPerSlot = 2.0 * c.rowsPerBlock * kExtent;
     double const l2 = dev.l2Bytes > 0 ? dev.l2Bytes : 4.0 * 1024 * 1024;
@@ -943,7 +1040,7 @@ LatentAttentionPlan chooseSplits(LatentAttentionParams const& p, KvxDeviceInfo c
     plan.threads = c.threads;
     plan.splits = static_cast<int32_t>(ceilDiv(tiles, perSplit));
     plan.smemBytes = c.smem;
-    plan.latentBytes = static_cast<double>(p.batch) * p.slots * p.dim * es;
+    plan.latentBytes = static_cast<double>(p.batch) * (p.slots * cacheRowBytes + (totalSlots - p.slots) * p.dim * es);
     plan.partialBytes = pick.partial;
     plan.modelSeconds = pick.seconds;
     return plan;
@@ -962,11 +1059,13 @@ cudaError_t launchMma(LatentAttentionParams const& p, Config const& c, LatentAtt
     MmaArgs<T> a{};
     a.q = static_cast<T const*>(p.q);
     a.latent = static_cast<T const*>(p.latent);
+    a.newLatent = static_cast<T const*>(p.newLatent);
     a.qPos = p.qPositions;
     a.latPos = p.latentPositions;
     a.rows = p.heads * p.queries;
     a.queries = p.queries;
-    a.slots = p.slots;
+    a.slots = latentAttentionTotalSlots(p);
+    a.cacheSlots = p.slots;
     a.dim = p.dim;
     a.dk = c.dk;
     a.ld = c.ld;
@@ -975,7 +1074,7 @@ cudaError_t launchMma(LatentAttentionParams const& p, Config const& c, LatentAtt
     a.warpsM = c.warpsM;
     a.warpsR = c.warpsR;
     a.tileSlots = c.tileSlots;
-    int32_t const tiles = static_cast<int32_t>(ceilDiv(p.slots, c.tileSlots));
+    int32_t const tiles = static_cast<int32_t>(ceilDiv(a.slots, c.tileSlots));
     a.tilesPerSplit = static_cast<int32_t>(ceilDiv(tiles, plan.splits));
     a.splits = plan.splits;
     a.vec = c.vec;
@@ -1013,11 +1112,16 @@ cudaError_t launchSimt(LatentAttentionParams const& p, Config const& c, LatentAt
 {
     auto* ws = static_cast<unsigned char*>(p.workspace);
     int32_t const rows = p.heads * p.queries;
-    int32_t const tiles = static_cast<int32_t>(ceilDiv(p.slots, kSimtTileSlots));
+    int32_t const slots = latentAttentionTotalSlots(p);
+    int32_t const tiles = static_cast<int32_t>(ceilDiv(slots, kSimtTileSlots));
     int32_t const tilesPerSplit = static_cast<int32_t>(ceilDiv(tiles, plan.splits));
     dim3 const grid(plan.splits, static_cast<unsigned int>(ceilDiv(rows, c.rowsPerBlock)), p.batch);
-    latentSimtKernel<T, RPL><<<grid, c.threads, c.smem, stream>>>(static_cast<T const*>(p.q),
-        static_cast<T const*>(p.latent), p.qPositions, p.latentPositions, rows, p.queries, p.slots, p.dim, c.dp,
+    bool const quantized = p.latentFormat != kLatentFormatNone;
+    LatentSource<T> const src{quantized ? nullptr : static_cast<T const*>(p.latent),
+        quantized ? static_cast<unsigned char const*>(p.latent) : nullptr, static_cast<__half const*>(p.latentScale),
+        static_cast<T const*>(p.newLatent), p.latentFormat, p.slots};
+    latentSimtKernel<T, RPL><<<grid, c.threads, c.smem, stream>>>(static_cast<T const*>(p.q), src, p.qPositions,
+        p.latentPositions, rows, p.queries, slots, p.dim, c.dp,
         p.rank, p.scale, c.rowsPerBlock, tilesPerSplit, plan.splits, reinterpret_cast<float*>(ws + w.max),
         reinterpret_cast<float*>(ws + w.sum), reinterpret_cast<float*>(ws + w.acc));
     return cudaGetLastError();
@@ -1074,7 +1178,9 @@ bool validParams(LatentAttentionParams const& p)
 {
     return p.dataType >= 0 && p.dataType <= 2 && p.batch >= 0 && p.heads >= 1 && p.queries >= 1 && p.slots >= 1
         && p.rank >= 1 && p.rank <= kLatentAttentionMaxRank && p.dim >= p.rank && p.dim <= kLatentAttentionMaxDim
-        && static_cast<int64_t>(p.heads) * p.queries <= 0x7FFFFFFF;
+        && static_cast<int64_t>(p.heads) * p.queries <= 0x7FFFFFFF
+        && static_cast<int64_t>(p.slots) + p.queries <= 0x7FFFFFFF && p.latentFormat >= kLatentFormatNone
+        && p.latentFormat <= kLatentFormatFp8 && (p.latentFormat == kLatentFormatNone || p.latentScale != nullptr);
 }
 
 template <typename T>
@@ -1172,7 +1278,22 @@ extern "C" KVX_API int32_t kvx_latent_attention(int32_t dataType, void const* q,
         return static_cast<int32_t>(cudaErrorInvalidValue);
     }
     kvexport::LatentAttentionParams p{dataType, q, latent, qPositions, latentPositions, batch, heads, queries, slots,
-        dim, rank, scale, out, workspace, workspaceSize};
+        dim, rank, scale, out, workspace, workspaceSize, kvexport::kLatentFormatNone, nullptr, nullptr};
+    return static_cast<int32_t>(kvexport::launchLatentAttention(p, *dev, stream));
+}
+
+extern "C" KVX_API int32_t kvx_latent_attention_v2(int32_t dataType, int32_t latentFormat, void const* q,
+    void const* latent, void const* latentScale, void const* newLatent, int64_t const* qPositions,
+    int64_t const* latentPositions, int32_t batch, int32_t heads, int32_t queries, int32_t slots, int32_t dim,
+    int32_t rank, float scale, void* out, void* workspace, size_t workspaceSize, KvxDeviceInfo const* dev,
+    cudaStream_t stream)
+{
+    if (dev == nullptr)
+    {
+        return static_cast<int32_t>(cudaErrorInvalidValue);
+    }
+    kvexport::LatentAttentionParams p{dataType, q, latent, qPositions, latentPositions, batch, heads, queries, slots,
+        dim, rank, scale, out, workspace, workspaceSize, latentFormat, latentScale, newLatent};
     return static_cast<int32_t>(kvexport::launchLatentAttention(p, *dev, stream));
 }
 
@@ -1190,7 +1311,7 @@ extern "C" KVX_API int32_t kvx_latent_attention_plan(int32_t dataType, int32_t b
         return static_cast<int32_t>(cudaErrorInvalidValue);
     }
     kvexport::LatentAttentionParams p{dataType, nullptr, nullptr, nullptr, nullptr, batch, heads, queries, slots, dim,
-        rank, 1.0F, nullptr, nullptr, 0};
+        rank, 1.0F, nullptr, nullptr, 0, kvexport::kLatentFormatNone, nullptr, nullptr};
     kvexport::LatentAttentionPlan const r = kvexport::planLatentAttention(p, *dev);
     plan[0] = static_cast<int32_t>(r.path);
     plan[1] = r.rowsPerBlock;

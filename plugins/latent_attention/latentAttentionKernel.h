@@ -36,7 +36,23 @@ struct LatentAttentionParams
     void* out;                      //!< (B, Hq, T, R)
     void* workspace;                //!< latentAttentionWorkspaceSize(...) bytes, 256-byte aligned
     size_t workspaceSize;
+    // op version 2 (docs/custom_ops.md): a quantized cache and this step's own rows
+    int32_t latentFormat;           //!< 0: latent in dataType; 1: uint8 int8 codes, (code - 128) * s; 2: uint8 e4m3fn
+    void const* latentScale;        //!< (B, S) float16 per-row scale s (latentFormat != 0)
+    void const* newLatent;          //!< (B, T, D) in dataType, attended after the S cache slots at qPositions, or null
 };
+
+//! Latent formats (the op's `latent_format` attribute, kvexport.export.ops.LATENT_FORMATS).
+constexpr int32_t kLatentFormatNone = 0;
+constexpr int32_t kLatentFormatInt8 = 1;
+constexpr int32_t kLatentFormatFp8 = 2;
+
+//! Slots a launch attends: the S cache slots plus, with newLatent, the T new rows. Pass this as `slots` to
+//! latentAttentionWorkspaceSize.
+inline int32_t latentAttentionTotalSlots(LatentAttentionParams const& p)
+{
+    return p.slots + (p.newLatent != nullptr ? p.queries : 0);
+}
 
 //! Kernel paths of a launch.
 enum class LatentAttentionPath : int32_t
@@ -83,6 +99,14 @@ extern "C"
         int64_t const* qPositions, int64_t const* latentPositions, int32_t batch, int32_t heads, int32_t queries,
         int32_t slots, int32_t dim, int32_t rank, float scale, void* out, void* workspace, size_t workspaceSize,
         KvxDeviceInfo const* dev, cudaStream_t stream);
+
+    //! Op version 2: `latentFormat` 0 / 1 / 2 (latent = dataType rows, or uint8 codes with `latentScale` (B, S)
+    //! float16), `newLatent` (B, T, D) in dataType or null. The workspace is kvx_latent_attention_workspace_size with
+    //! slots = S + T when newLatent is given. Returns cudaErrorInvalidValue (1) for an unknown format or a missing scale.
+    KVX_API int32_t kvx_latent_attention_v2(int32_t dataType, int32_t latentFormat, void const* q, void const* latent,
+        void const* latentScale, void const* newLatent, int64_t const* qPositions, int64_t const* latentPositions,
+        int32_t batch, int32_t heads, int32_t queries, int32_t slots, int32_t dim, int32_t rank, float scale, void* out,
+        void* workspace, size_t workspaceSize, KvxDeviceInfo const* dev, cudaStream_t stream);
 
     KVX_API size_t kvx_latent_attention_workspace_size(
         int32_t batch, int32_t heads, int32_t queries, int32_t slots, int32_t dim, int32_t rank);

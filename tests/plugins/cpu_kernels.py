@@ -235,6 +235,16 @@ class Jobs:
         self.lines.append(job)
         return job
 
+    def latent_attention_v2(self, q, latent, q_positions, latent_positions, rank: int, scale: float,
+                            new_latent=None, latent_scale=None, latent_format: int = 0) -> _Job:
+        """Op version 2 (``kvx_latent_attention_v2``): uint8 ``latent`` codes with ``latent_scale`` (B, S) float16 when
+        ``latent_format`` is 1 (int8) or 2 (fp8); ``new_latent`` (B, T, D) in q's dtype attended after the cache."""
+        job = _Job("latent2", dict(q=q, latent=latent, q_positions=q_positions, latent_positions=latent_positions,
+                                   rank=rank, scale=scale, new_latent=new_latent, latent_scale=latent_scale,
+                                   latent_format=latent_format))
+        self.lines.append(job)
+        return job
+
     def latent_plan(self, dtype: torch.dtype, B: int, H: int, T: int, S: int, D: int, R: int) -> _Job:
         """The launch plan of a LatentAttention call (no kernel runs): ``job.plan`` after ``run``."""
         job = _Job("plan", dict(dtype=dtype, shape=(B, H, T, S, D, R)))
@@ -255,6 +265,12 @@ class Jobs:
         S = a["latent"].shape[1]
         for name in ("q", "latent", "q_positions", "latent_positions"):
             (d / f"{name}.bin").write_bytes(_raw(a[name]))
+        if job.kind == "latent2":
+            for name in ("new_latent", "latent_scale"):
+                if a[name] is not None:
+                    (d / f"{name}.bin").write_bytes(_raw(a[name]))
+            return (f"latent2 {d} {DTYPE_CODES[a['q'].dtype]} {int(a['latent_format'])} {int(a['new_latent'] is not None)}"
+                    f" {B} {H} {T} {S} {D} {a['rank']} {float(a['scale']):.9g}")
         return f"latent {d} {DTYPE_CODES[a['q'].dtype]} {B} {H} {T} {S} {D} {a['rank']} {float(a['scale']):.9g}"
 
     def _read(self, job: _Job, d: Path) -> None:
@@ -269,7 +285,7 @@ class Jobs:
                 kept_positions=_tensor(d / "kept_positions.bin", torch.int64, (B, H, k)),
                 kept_indices=_tensor(d / "kept_indices.bin", torch.int64, (B, H, k)))
         else:
-            if job.kind == "latent":
+            if job.kind in ("latent", "latent2"):
                 B, H, T, _ = a["q"].shape
                 job.outputs = dict(out=_tensor(d / "out.bin", a["q"].dtype, (B, H, T, a["rank"])))
             if (d / "plan").exists():

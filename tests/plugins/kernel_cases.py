@@ -257,3 +257,111 @@ def check_latent(case: LatentCase, inputs, out: torch.Tensor, with_onnx: bool = 
         if onnx_out is not None:
             torch.testing.assert_close(out.float()[valid], onnx_out.float()[valid], atol=tol, rtol=tol,
                                        msg=lambda m: f"{case.name} vs ONNX function on onnxruntime: {m}")
+
+
+# ------------------------------------------------------------------------------ LatentAttention version 2 (issue 18)
+@dataclass(frozen=True)
+class LatentV2Case:
+    """Op version 2: a quantized cache (``fmt`` 1 int8 / 2 fp8: uint8 codes + (B, S) float16 scales, made by
+    kvexport.cache.quant.quantize, or every byte value when ``codes="random"``) and / or ``new`` rows (B, T, D) at
+    the queries' positions, attended after the cache. Cache positions 0 .. S-1 in a random slot order (``empty``:
+    fraction of empty slots); queries at S .. S+T-1 (prefill: the new rows are causal among themselves), query 0 of
+    sequence 0 is padding (-1) when ``pad``; the last sequence sees half of the cache."""
+
+    name: str
+    B: int
+    H: int
+    T: int
+    S: int
+    R: int
+    Dr: int
+    dtype: torch.dtype
+    fmt: int = 1
+    new: bool = True
+    codes: str = "quantize"  # quantize | random | small (fp8 subnormals and the lowest binade, large scales)
+    empty: float = 0.15
+    pad: bool = True
+    seed: int = 0
+    device: dict = field(default_factory=dict)
+    path: str | None = None
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.R // 2 + self.Dr)
+
+    def inputs(self):
+        """-> (q, latent, q_positions, latent_positions, new_latent or None, latent_scale or None)."""
+        from kvexport.cache.formats import FORMATS
+        from kvexport.cache.quant import quantize
+
+        g = torch.Generator().manual_seed(self.seed * 7919 + self.S * 13 + self.H + self.R + self.fmt)
+        B, T, S, D = self.B, self.T, self.S, self.R + self.Dr
+        q = (torch.randn(B, self.H, T, D, generator=g) * 0.5).to(self.dtype)
+        rows = torch.randn(B, S, D, generator=g) * 2.0
+        scale = None
+        if self.fmt == 0:
+            latent = rows.to(self.dtype)
+        elif self.codes == "random":  # every bit pattern but the fp8 NaNs (0x7F / 0xFF), scales over a wide range
+            latent = torch.randint(0, 256, (B, S, D), generator=g).to(torch.uint8)
+            if self.fmt == 2:
+                latent[(latent & 0x7F) == 0x7F] = 0x7E
+            scale = (torch.rand(B, S, generator=g) * 0.02 + 2.0**-14).to(torch.float16)
+        elif self.codes == "small":
+            latent = (torch.randint(0, 16, (B, S, D), generator=g) | (torch.randint(0, 2, (B, S, D), generator=g) << 7))
+            latent = latent.to(torch.uint8)
+            scale = (torch.rand(B, S, generator=g) * 20.0 + 20.0).to(torch.float16)
+        else:
+            latent, scale = quantize(rows, FORMATS[ops.LATENT_FORMATS[self.fmt]])
+        lpos = torch.randperm(S, generator=g).expand(B, S).clone()
+        lpos[torch.rand(B, S, generator=g) < self.empty] = -1
+        qpos = torch.arange(S, S + T).expand(B, T).clone()
+        qpos[-1] = torch.arange(S // 2, S // 2 + T)
+        if self.pad and B * T > 1:
+            qpos[0, 0] = -1
+        new = (torch.randn(B, T, D, generator=g) * 2.0).to(self.dtype) if self.new else None
+        return q, latent, qpos, lpos, new, scale
+
+
+LATENT_V2_CASES = [
+    # quantized caches: the CUDA-core path dequantizes while staging its tiles (splits > 1 on the default device)
+    LatentV2Case("int8-decode-S300-H16-R512+64-fp16-new", 2, 16, 1, 300, 512, 64, torch.float16, path="simt"),
+    LatentV2Case("fp8-decode-S333-H8-R64+32-bf16-new", 3, 8, 1, 333, 64, 32, torch.bfloat16, fmt=2, path="simt"),
+    LatentV2Case("int8-decode-S130-H4-R48+16-fp32-no-new", 2, 4, 1, 130, 48, 16, torch.float32, new=False),
+    LatentV2Case("fp8-decode-S100-H8-R128+32-fp16-no-new", 1, 8, 1, 100, 128, 32, torch.float16, fmt=2, new=False),
+    LatentV2Case("int8-prefill-T5-S64-fp16-new", 2, 8, 5, 64, 64, 32, torch.float16),
+    LatentV2Case("fp8-prefill-T17-S70-fp32-new", 2, 4, 17, 70, 64, 16, torch.float32, fmt=2),
+    LatentV2Case("int8-odd-width-D35-fp16", 2, 6, 2, 130, 30, 5, torch.float16),
+    LatentV2Case("fp8-every-code-fp32", 2, 4, 1, 200, 48, 16, torch.float32, fmt=2, codes="random"),
+    LatentV2Case("fp8-subnormal-codes-fp32", 1, 4, 1, 100, 48, 16, torch.float32, fmt=2, codes="small"),
+    LatentV2Case("int8-every-code-bf16", 1, 4, 1, 100, 48, 16, torch.bfloat16, codes="random"),
+    LatentV2Case("int8-S1-one-slot", 2, 8, 1, 1, 64, 32, torch.float16),
+    LatentV2Case("fp8-all-slots-empty-sees-only-new", 2, 4, 3, 50, 64, 32, torch.float16, fmt=2, empty=1.0),
+    LatentV2Case("int8-one-split-small-gpu", 1, 32, 1, 200, 512, 64, torch.bfloat16, device=dict(sms=1)),
+    # new rows over an unquantized cache: the tensor-core path streams them after the cache slots
+    LatentV2Case("none-new-decode-S100-H8-fp16-mma", 2, 8, 1, 100, 64, 32, torch.float16, fmt=0, path="mma"),
+    LatentV2Case("none-new-decode-S1000-H32-R512+64-bf16-mma", 1, 32, 1, 1000, 512, 64, torch.bfloat16, fmt=0,
+                 path="mma"),
+    LatentV2Case("none-new-prefill-T40-S90-bf16-mma-rows", 1, 4, 40, 90, 64, 16, torch.bfloat16, fmt=0,
+                 path="mma"),
+    LatentV2Case("none-new-S31-tile-boundary-fp16-mma", 2, 8, 3, 31, 128, 32, torch.float16, fmt=0, path="mma"),
+    LatentV2Case("none-new-prefill-T17-S70-fp32-simt", 2, 4, 17, 70, 64, 16, torch.float32, fmt=0, path="simt"),
+    LatentV2Case("none-new-unaligned-fp16-simt", 1, 6, 2, 130, 30, 5, torch.float16, fmt=0, path="simt"),
+]
+
+#: the same tolerances as version 1: the kernel dequantizes to q's dtype exactly as the reference does, so the
+#: quantization error itself is common to both sides
+LATENT_V2_TOL = LATENT_TOL
+
+
+def check_latent_v2(case: LatentV2Case, inputs, out: torch.Tensor) -> None:
+    """Agreement with the PyTorch reference ``latent_attention_reference`` (independent of the kernel: it
+    dequantizes with kvexport.cache.quant.dequantize and concatenates the logits of both parts)."""
+    q, latent, qpos, lpos, new, scale = (None if t is None else t.cpu() for t in inputs)
+    want = ops.latent_attention_reference(q, latent, qpos, lpos, case.R, case.scale, new_latent=new,
+                                          latent_scale=scale, latent_format=case.fmt)
+    out = out.cpu()
+    assert out.dtype == q.dtype and out.shape == (case.B, case.H, case.T, case.R)
+    valid = (qpos >= 0)[:, None, :, None].expand_as(out)
+    tol = LATENT_V2_TOL[case.dtype]
+    torch.testing.assert_close(out.float()[valid], want.float()[valid], atol=tol, rtol=tol,
+                               msg=lambda m: f"{case.name} vs PyTorch reference: {m}")

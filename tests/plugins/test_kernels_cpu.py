@@ -24,7 +24,7 @@ import pytest
 
 from tests.plugins import cpu_kernels, kernel_cases
 from tests.plugins.cpu_kernels import CpuKernelError, Jobs
-from tests.plugins.kernel_cases import LATENT_CASES, TOPK_CASES, LatentCase, TopKCase
+from tests.plugins.kernel_cases import LATENT_CASES, LATENT_V2_CASES, TOPK_CASES, LatentCase, LatentV2Case, TopKCase
 
 pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None, reason="no C++ compiler (g++ or $CXX) for the CPU shim")
 
@@ -67,6 +67,19 @@ def run_latent(exe, case: LatentCase):
     return inputs, job
 
 
+def run_latent_v2(exe, case: LatentV2Case):
+    inputs = case.inputs()
+    q, latent, qpos, lpos, new, scale = inputs
+    jobs = Jobs()
+    if case.device:
+        jobs.device(**case.device)
+    job = jobs.latent_attention_v2(q, latent, qpos, lpos, case.R, case.scale, new_latent=new, latent_scale=scale,
+                                   latent_format=case.fmt)
+    jobs.run(exe)
+    assert job.status == 0, f"{case.name}: kvx_latent_attention_v2 returned {job.status}"
+    return inputs, job
+
+
 # ------------------------------------------------------------------------------------------------ every case
 @pytest.mark.parametrize("case", TOPK_CASES, ids=lambda c: c.name)
 def test_topk_gather(fast_exe, case):
@@ -95,6 +108,43 @@ def test_latent_attention_paths_covered(fast_exe):
         seen.add((job.plan["path"], job.plan["splits"] > 1))
         assert job.plan["smem"] <= case.device.get("optin", 232448), (case.name, job.plan)
     assert {("mma", True), ("mma", False), ("simt", True)} <= seen, seen
+
+
+@pytest.mark.parametrize("case", LATENT_V2_CASES, ids=lambda c: c.name)
+def test_latent_attention_v2(fast_exe, case):
+    """Op version 2: int8 / fp8 caches dequantized in the load path, new rows attended after the cache slots."""
+    inputs, job = run_latent_v2(fast_exe, case)
+    if case.fmt != 0:
+        assert job.plan["path"] == "simt", job.plan  # quantized caches take the CUDA-core path
+    if case.path is not None:
+        assert job.plan["path"] == case.path, job.plan
+    kernel_cases.check_latent_v2(case, inputs, job.outputs["out"])
+
+
+def test_latent_attention_v2_reaches_splits_and_one_split(fast_exe):
+    """The version-2 cases cover split partials and single-split launches on both paths that they take."""
+    jobs, runs = Jobs(), []
+    for case in LATENT_V2_CASES:
+        q, latent, qpos, lpos, new, scale = case.inputs()
+        jobs.device(**({"sms": 132, "optin": 232448, "cc": "9.0"} | case.device))
+        runs.append(jobs.latent_attention_v2(q, latent, qpos, lpos, case.R, case.scale, new, scale, case.fmt))
+    jobs.run(fast_exe)
+    seen = {(job.plan["path"], job.plan["splits"] > 1) for job in runs}
+    assert {("simt", True), ("mma", True), ("mma", False)} <= seen, seen
+
+
+@pytest.mark.parametrize("fmt,with_scale", [(3, True), (-1, True), (1, False), (2, False)])
+def test_latent_attention_v2_rejects_bad_format(fast_exe, fmt, with_scale):
+    """An unknown latent_format, or a quantized one without its scales, is refused (cudaErrorInvalidValue)."""
+    torch = kernel_cases.torch
+    jobs = Jobs()
+    scale = torch.ones(1, 4, dtype=torch.float16) if with_scale else None
+    job = jobs.latent_attention_v2(torch.zeros(1, 1, 1, 96, dtype=torch.float16), torch.zeros(1, 4, 96, dtype=torch.uint8),
+                                   torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long), 64, 0.1,
+                                   latent_scale=scale, latent_format=fmt)
+    jobs.run(fast_exe)
+    assert job.status == 1
+    assert bool(job.outputs["out"].isnan().all())  # nothing was launched: the poison is intact
 
 
 def test_latent_attention_rejects_rank_too_large(fast_exe):
@@ -135,6 +185,7 @@ def test_gpu_harness_on_the_cpu_library(name):
 # ------------------------------------------------------------------------------------------------ sanitizers
 ASAN_TOPK = [c for c in TOPK_CASES if c.S <= 4096]
 ASAN_LATENT = [c for c in LATENT_CASES if c.S <= 1000 and c.H * c.T <= 64]
+ASAN_LATENT_V2 = [c for c in LATENT_V2_CASES if c.S * c.H * c.T <= 8000]
 
 
 @pytest.mark.parametrize("case", ASAN_TOPK, ids=lambda c: c.name)
@@ -147,6 +198,12 @@ def test_topk_gather_asan_ubsan(asan_exe, case):
 def test_latent_attention_asan_ubsan(asan_exe, case):
     inputs, job = run_latent(asan_exe, case)
     kernel_cases.check_latent(case, inputs, job.outputs["out"], with_onnx=False)
+
+
+@pytest.mark.parametrize("case", ASAN_LATENT_V2, ids=lambda c: c.name)
+def test_latent_attention_v2_asan_ubsan(asan_exe, case):
+    inputs, job = run_latent_v2(asan_exe, case)
+    kernel_cases.check_latent_v2(case, inputs, job.outputs["out"])
 
 
 TSAN_CASES = [
@@ -174,6 +231,9 @@ def _mismatch(exe, case) -> bool:
         if isinstance(case, TopKCase):
             inputs, job = run_topk(exe, case)
             kernel_cases.check_topk(case, inputs, job.outputs)
+        elif isinstance(case, LatentV2Case):
+            inputs, job = run_latent_v2(exe, case)
+            kernel_cases.check_latent_v2(case, inputs, job.outputs["out"])
         else:
             inputs, job = run_latent(exe, case)
             kernel_cases.check_latent(case, inputs, job.outputs["out"], with_onnx=False)
@@ -201,6 +261,24 @@ PLANTED = [
                  "int32_t const c = lane + 32 * i + 1;\n            if (c < rank)",
                  LatentCase("planted", 1, 4, 1, 100, 64, 32, kernel_cases.torch.float32),
                  id="latent-simt-partial-column-shift"),
+    pytest.param(LA_SRC, "static_cast<float>(code) - 128.0F", "static_cast<float>(code) - 127.0F",
+                 LatentV2Case("planted", 1, 8, 1, 100, 64, 32, kernel_cases.torch.float16),
+                 id="latent-v2-int8-offset"),
+    pytest.param(LA_SRC, "((e + 120u) << 23)", "((e + 121u) << 23)",
+                 LatentV2Case("planted", 1, 8, 1, 100, 64, 32, kernel_cases.torch.float16, fmt=2),
+                 id="latent-v2-fp8-exponent-bias"),
+    pytest.param(LA_SRC, "static_cast<float>(m) * 0.001953125F", "static_cast<float>(m) * 0.00390625F",
+                 LatentV2Case("planted", 1, 4, 1, 100, 48, 16, kernel_cases.torch.float32, fmt=2, codes="small"),
+                 id="latent-v2-fp8-subnormals"),
+    pytest.param(LA_SRC, "__half2float(src.scale[b * S + slot])", "__half2float(src.scale[slot])",
+                 LatentV2Case("planted", 2, 4, 1, 100, 48, 16, kernel_cases.torch.float32, codes="random"),
+                 id="latent-v2-scale-row-of-batch-0"),
+    pytest.param(LA_SRC, "qPos[b * queries + slot - S]", "qPos[b * queries]",
+                 LatentV2Case("planted", 2, 4, 5, 40, 64, 16, kernel_cases.torch.float32),
+                 id="latent-v2-simt-new-row-positions"),
+    pytest.param(LA_SRC, "qpB + (slot - a.cacheSlots)", "qpB",
+                 LatentV2Case("planted", 1, 4, 9, 40, 64, 16, kernel_cases.torch.float16, fmt=0),
+                 id="latent-v2-mma-new-row-positions"),
 ]
 
 

@@ -5,6 +5,10 @@
 //   device sms=N optin=BYTES cc=MAJOR.MINOR          emulated GPU for the following cases
 //   topk DIR DTYPE B H S Dk Dv k                     DIR/{scores,keys,values,positions}.bin -> kept_*.bin
 //   latent DIR DTYPE B H T S D R SCALE               DIR/{q,latent,q_positions,latent_positions}.bin -> out.bin
+//   latent2 DIR DTYPE FORMAT NEW B H T S D R SCALE   op version 2 (kvx_latent_attention_v2): FORMAT 0 / 1 / 2 (latent
+//                                                    uint8 codes + DIR/latent_scale.bin (B, S) fp16 when FORMAT != 0;
+//                                                    no file: a null scale pointer),
+//                                                    NEW 1: DIR/new_latent.bin (B, T, D) attended after the cache
 //   plan DIR DTYPE B H T S D R                       DIR/plan: the launch plan only (path, tile, splits, bytes)
 //
 // DTYPE is the KvxDType code (0 fp32, 1 fp16, 2 bf16) of keys/values or q/latent. Every output and workspace buffer
@@ -143,6 +147,45 @@ void runLatent(std::istringstream& in)
     status(dir, rc);
 }
 
+void runLatentV2(std::istringstream& in)
+{
+    std::string dir;
+    int dtype, format, hasNew, B, H, T, S, D, R;
+    float scale;
+    in >> dir >> dtype >> format >> hasNew >> B >> H >> T >> S >> D >> R >> scale;
+    size_t const es = elemSize(dtype);
+    size_t const latEs = format != 0 ? 1 : es;
+    DeviceBuffer q(dir + "/q.bin", static_cast<size_t>(B) * H * T * D * es);
+    DeviceBuffer latent(dir + "/latent.bin", static_cast<size_t>(B) * S * D * latEs);
+    bool const hasScale = format != 0 && std::ifstream(dir + "/latent_scale.bin").good(); // absent: null scales
+    DeviceBuffer latScale = hasScale ? DeviceBuffer(dir + "/latent_scale.bin", static_cast<size_t>(B) * S * 2)
+                                     : DeviceBuffer(0);
+    DeviceBuffer newLatent = hasNew ? DeviceBuffer(dir + "/new_latent.bin", static_cast<size_t>(B) * T * D * es)
+                                    : DeviceBuffer(0);
+    DeviceBuffer qPos(dir + "/q_positions.bin", static_cast<size_t>(B) * T * 8);
+    DeviceBuffer lPos(dir + "/latent_positions.bin", static_cast<size_t>(B) * S * 8);
+    DeviceBuffer out(static_cast<size_t>(B) * H * T * R * es);
+    KvxDeviceInfo dev{};
+    int rc = kvx_query_device(&dev);
+    if (rc == 0)
+    {
+        kvexport::LatentAttentionParams p{dtype, q.p, latent.p, reinterpret_cast<int64_t const*>(qPos.p),
+            reinterpret_cast<int64_t const*>(lPos.p), B, H, T, S, D, R, scale, out.p, nullptr, 0, format, latScale.p,
+            newLatent.p};
+        kvexport::LatentAttentionPlan const plan = kvexport::planLatentAttention(p, dev);
+        std::ofstream(dir + "/plan") << static_cast<int>(plan.path) << " " << plan.rowsPerBlock << " "
+                                     << plan.tileSlots << " " << plan.threads << " " << plan.splits << " "
+                                     << plan.smemBytes << " " << plan.latentBytes << " " << plan.partialBytes << "\n";
+        size_t const wsBytes = kvx_latent_attention_workspace_size(B, H, T, S + (hasNew ? T : 0), D, R);
+        DeviceBuffer ws(wsBytes);
+        rc = kvx_latent_attention_v2(dtype, format, q.p, latent.p, latScale.p, newLatent.p,
+            reinterpret_cast<int64_t const*>(qPos.p), reinterpret_cast<int64_t const*>(lPos.p), B, H, T, S, D, R,
+            scale, out.p, ws.p, wsBytes, &dev, nullptr);
+    }
+    writeFile(dir + "/out.bin", out.p, out.n);
+    status(dir, rc);
+}
+
 void planLatent(std::istringstream& in)
 {
     std::string dir;
@@ -228,6 +271,11 @@ int main(int argc, char** argv)
         else if (op == "latent")
         {
             runLatent(in);
+            ++n;
+        }
+        else if (op == "latent2")
+        {
+            runLatentV2(in);
             ++n;
         }
         else if (op == "plan")
