@@ -82,16 +82,30 @@ void logError(char const* plugin, char const* msg) noexcept
 #if KVEXPORT_STATIC_REGISTRATION
 using kvexport::LatentAttentionPluginCreator;
 using kvexport::TopKGatherPluginCreator;
+namespace
+{
+//! plugin_version "2" of LatentAttention (new_latent, latent_scale, latent_format)
+class LatentAttentionV2PluginCreator : public LatentAttentionPluginCreator
+{
+public:
+    LatentAttentionV2PluginCreator()
+        : LatentAttentionPluginCreator(2)
+    {
+    }
+};
+} // namespace
 REGISTER_TENSORRT_PLUGIN(TopKGatherPluginCreator);
 REGISTER_TENSORRT_PLUGIN(LatentAttentionPluginCreator);
+REGISTER_TENSORRT_PLUGIN(LatentAttentionV2PluginCreator);
 #endif
 
 extern "C" KVX_API IPluginCreatorInterface* const* getCreators(int32_t& nbCreators)
 {
     static kvexport::TopKGatherPluginCreator sTopKGather;
-    static kvexport::LatentAttentionPluginCreator sLatentAttention;
-    static IPluginCreatorInterface* const kCreators[] = {&sTopKGather, &sLatentAttention};
-    nbCreators = 2;
+    static kvexport::LatentAttentionPluginCreator sLatentAttention(1);
+    static kvexport::LatentAttentionPluginCreator sLatentAttentionV2(2);
+    static IPluginCreatorInterface* const kCreators[] = {&sTopKGather, &sLatentAttention, &sLatentAttentionV2};
+    nbCreators = 3;
     return kCreators;
 }
 

@@ -23,21 +23,40 @@ int32_t fail(std::exception const& e) noexcept
     logError(LatentAttentionPlugin::kNAME, e.what());
     return -1;
 }
+
+char const* versionString(int32_t version) noexcept
+{
+    return version == 2 ? "2" : kPLUGIN_VERSION;
+}
+
+void requireFormat(int64_t format)
+{
+    require(format >= kLatentFormatNone && format <= kLatentFormatFp8,
+        "attribute latent_format = " + std::to_string(format) + " is not 0 (float), 1 (int8) or 2 (fp8)");
+}
 } // namespace
 
-LatentAttentionPlugin::LatentAttentionPlugin(int32_t rank, float scale)
+LatentAttentionPlugin::LatentAttentionPlugin(int32_t rank, float scale, int32_t version, int32_t latentFormat)
     : mRank(rank)
     , mScale(scale)
+    , mVersion(version)
+    , mLatentFormat(latentFormat)
 {
     require(rank >= 1 && rank <= kLatentAttentionMaxRank,
         "attribute rank = " + std::to_string(rank) + " is outside [1, " + std::to_string(kLatentAttentionMaxRank)
             + "]");
     require(std::isfinite(scale) && scale > 0.0F, "attribute scale must be a positive finite float");
+    require(version == 1 || version == 2, "plugin version must be 1 or 2");
+    requireFormat(latentFormat);
+    require(version == 2 || latentFormat == kLatentFormatNone, "latent_format needs plugin version 2");
 }
 
 LatentAttentionPlugin::LatentAttentionPlugin(LatentAttentionPlugin const& other)
     : mRank(other.mRank)
     , mScale(other.mScale)
+    , mVersion(other.mVersion)
+    , mLatentFormat(other.mLatentFormat)
+    , mNbInputs(other.mNbInputs)
 {
     // a clone (attachToContext: another execution context, maybe another device) queries its device again
 }
@@ -73,7 +92,26 @@ char const* LatentAttentionPlugin::getPluginName() const noexcept
 
 char const* LatentAttentionPlugin::getPluginVersion() const noexcept
 {
-    return kPLUGIN_VERSION;
+    return versionString(mVersion);
+}
+
+bool LatentAttentionPlugin::acceptsInputs(int32_t nbInputs) const noexcept
+{
+    if (mVersion == 1)
+    {
+        return nbInputs == kNB_INPUTS;
+    }
+    return mLatentFormat == kLatentFormatNone ? (nbInputs >= kNB_INPUTS && nbInputs <= kMAX_INPUTS)
+                                              : nbInputs == kMAX_INPUTS;
+}
+
+void LatentAttentionPlugin::requireInputs(int32_t nbInputs) const
+{
+    require(acceptsInputs(nbInputs),
+        mVersion == 1 ? std::string("LatentAttention version 1 takes 4 inputs")
+                      : "LatentAttention version 2 takes q, latent, q_positions, latent_positions, new_latent and "
+                        "(a quantized latent: needed) latent_scale; got "
+                + std::to_string(nbInputs) + " inputs");
 }
 
 char const* LatentAttentionPlugin::getPluginNamespace() const noexcept
@@ -91,7 +129,8 @@ int32_t LatentAttentionPlugin::getOutputDataTypes(
 {
     try
     {
-        require(nbInputs == kNB_INPUTS && nbOutputs == kNB_OUTPUTS, "LatentAttention takes 4 inputs, has 1 output");
+        requireInputs(nbInputs);
+        require(nbOutputs == kNB_OUTPUTS, "LatentAttention has 1 output");
         outputTypes[kOUT_OUT] = inputTypes[kIN_Q];
         return 0;
     }
@@ -107,13 +146,16 @@ int32_t LatentAttentionPlugin::getOutputShapes(DimsExprs const* inputs, int32_t 
 {
     try
     {
-        require(nbInputs == kNB_INPUTS && nbOutputs == kNB_OUTPUTS, "LatentAttention takes 4 inputs, has 1 output");
+        requireInputs(nbInputs);
+        require(nbOutputs == kNB_OUTPUTS, "LatentAttention has 1 output");
         DimsExprs const& q = inputs[kIN_Q];
         DimsExprs const& latent = inputs[kIN_LATENT];
         require(q.nbDims == 4, "q must be (B, Hq, T, R + Dr)");
         require(latent.nbDims == 3, "latent must be (B, S, R + Dr)");
         require(inputs[kIN_Q_POSITIONS].nbDims == 2, "q_positions must be (B, T)");
         require(inputs[kIN_LATENT_POSITIONS].nbDims == 2, "latent_positions must be (B, S)");
+        require(nbInputs <= kIN_NEW_LATENT || inputs[kIN_NEW_LATENT].nbDims == 3, "new_latent must be (B, T, R + Dr)");
+        require(nbInputs <= kIN_LATENT_SCALE || inputs[kIN_LATENT_SCALE].nbDims == 2, "latent_scale must be (B, S)");
         if (q.d[3]->isConstant())
         {
             int64_t const d = q.d[3]->getConstantValue();
@@ -137,7 +179,7 @@ int32_t LatentAttentionPlugin::getOutputShapes(DimsExprs const* inputs, int32_t 
 bool LatentAttentionPlugin::supportsFormatCombination(
     int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
 {
-    if (nbInputs != kNB_INPUTS || nbOutputs != kNB_OUTPUTS || pos < 0 || pos >= nbInputs + nbOutputs)
+    if (!acceptsInputs(nbInputs) || nbOutputs != kNB_OUTPUTS || pos < 0 || pos >= nbInputs + nbOutputs)
     {
         return false;
     }
@@ -147,13 +189,18 @@ bool LatentAttentionPlugin::supportsFormatCombination(
         return false;
     }
     DataType const qType = inOut[kIN_Q].desc.type;
+    if (pos == nbInputs + kOUT_OUT)
+    {
+        return d.type == qType;
+    }
     switch (pos)
     {
     case kIN_Q: return isFloatType(d.type);
-    case kIN_LATENT: return d.type == qType;
+    case kIN_LATENT: return mLatentFormat != kLatentFormatNone ? d.type == DataType::kUINT8 : d.type == qType;
     case kIN_Q_POSITIONS: return d.type == DataType::kINT64;
     case kIN_LATENT_POSITIONS: return d.type == DataType::kINT64;
-    case kNB_INPUTS + kOUT_OUT: return d.type == qType;
+    case kIN_NEW_LATENT: return d.type == qType;
+    case kIN_LATENT_SCALE: return d.type == DataType::kHALF;
     default: return false;
     }
 }
@@ -164,10 +211,17 @@ int32_t LatentAttentionPlugin::configurePlugin(
 {
     try
     {
-        require(nbInputs == kNB_INPUTS && nbOutputs == kNB_OUTPUTS, "LatentAttention takes 4 inputs, has 1 output");
+        requireInputs(nbInputs);
+        require(nbOutputs == kNB_OUTPUTS, "LatentAttention has 1 output");
         int64_t const d = in[kIN_Q].desc.dims.d[3];
         int64_t const dl = in[kIN_LATENT].desc.dims.d[2];
         require(d < 0 || dl < 0 || d == dl, "q and latent must have the same last dimension R + Dr");
+        if (nbInputs > kIN_NEW_LATENT)
+        {
+            int64_t const dn = in[kIN_NEW_LATENT].desc.dims.d[2];
+            require(d < 0 || dn < 0 || d == dn, "q and new_latent must have the same last dimension R + Dr");
+        }
+        mNbInputs = nbInputs;
         return 0;
     }
     catch (std::exception const& e)
@@ -179,19 +233,21 @@ int32_t LatentAttentionPlugin::configurePlugin(
 size_t LatentAttentionPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
     DynamicPluginTensorDesc const* /*outputs*/, int32_t /*nbOutputs*/) const noexcept
 {
-    if (nbInputs != kNB_INPUTS)
+    if (!acceptsInputs(nbInputs))
     {
         return 0;
     }
     Dims const& q = inputs[kIN_Q].max;         // (B, Hq, T, D) at the profile's maximum
     Dims const& latent = inputs[kIN_LATENT].max; // (B, S, D)
+    int64_t const newRows = nbInputs > kIN_NEW_LATENT ? q.d[2] : 0; // new_latent's T rows follow the S slots
     return latentAttentionWorkspaceSize(static_cast<int32_t>(q.d[0]), static_cast<int32_t>(q.d[1]),
-        static_cast<int32_t>(q.d[2]), static_cast<int32_t>(latent.d[1]), static_cast<int32_t>(q.d[3]), mRank);
+        static_cast<int32_t>(q.d[2]), static_cast<int32_t>(latent.d[1] + newRows), static_cast<int32_t>(q.d[3]),
+        mRank);
 }
 
 void LatentAttentionPlugin::checkShapes(PluginTensorDesc const* in, int32_t nbInputs) const
 {
-    require(nbInputs == kNB_INPUTS, "LatentAttention takes 4 inputs");
+    requireInputs(nbInputs);
     Dims const& q = in[kIN_Q].dims;
     Dims const& latent = in[kIN_LATENT].dims;
     require(q.nbDims == 4 && latent.nbDims == 3, "q must be (B, Hq, T, D) and latent (B, S, D)");
@@ -201,6 +257,17 @@ void LatentAttentionPlugin::checkShapes(PluginTensorDesc const* in, int32_t nbIn
     Dims const& lp = in[kIN_LATENT_POSITIONS].dims;
     require(qp.nbDims == 2 && qp.d[0] == q.d[0] && qp.d[1] == q.d[2], "q_positions must be (B, T)");
     require(lp.nbDims == 2 && lp.d[0] == q.d[0] && lp.d[1] == latent.d[1], "latent_positions must be (B, S)");
+    if (nbInputs > kIN_NEW_LATENT)
+    {
+        Dims const& nl = in[kIN_NEW_LATENT].dims;
+        require(nl.nbDims == 3 && nl.d[0] == q.d[0] && nl.d[1] == q.d[2] && nl.d[2] == q.d[3],
+            "new_latent must be (B, T, D) with q's B, T and D");
+    }
+    if (nbInputs > kIN_LATENT_SCALE)
+    {
+        Dims const& ls = in[kIN_LATENT_SCALE].dims;
+        require(ls.nbDims == 2 && ls.d[0] == q.d[0] && ls.d[1] == latent.d[1], "latent_scale must be (B, S)");
+    }
 }
 
 int32_t LatentAttentionPlugin::onShapeChange(
@@ -209,6 +276,7 @@ int32_t LatentAttentionPlugin::onShapeChange(
     try
     {
         checkShapes(in, nbInputs);
+        mNbInputs = nbInputs;
         ensureDevice();
         return 0;
     }
@@ -253,7 +321,11 @@ void LatentAttentionPlugin::doEnqueue(PluginTensorDesc const* inputDesc, void co
     p.scale = mScale;
     p.out = outputs[kOUT_OUT];
     p.workspace = workspace;
-    p.workspaceSize = latentAttentionWorkspaceSize(p.batch, p.heads, p.queries, p.slots, p.dim, p.rank);
+    p.latentFormat = mLatentFormat;
+    p.newLatent = mNbInputs > kIN_NEW_LATENT ? inputs[kIN_NEW_LATENT] : nullptr;
+    p.latentScale = mLatentFormat != kLatentFormatNone ? inputs[kIN_LATENT_SCALE] : nullptr;
+    p.workspaceSize = latentAttentionWorkspaceSize(
+        p.batch, p.heads, p.queries, latentAttentionTotalSlots(p), p.dim, p.rank);
     cudaError_t const e = launchLatentAttention(p, mDevice, stream);
     require(e == cudaSuccess, std::string("kernel launch failed: ") + cudaGetErrorString(e));
 }
@@ -282,6 +354,10 @@ PluginFieldCollection const* LatentAttentionPlugin::getFieldsToSerialize() noexc
     mSerialFields.clear();
     mSerialFields.emplace_back("rank", &mRank, PluginFieldType::kINT32, 1);
     mSerialFields.emplace_back("scale", &mScale, PluginFieldType::kFLOAT32, 1);
+    if (mVersion == 2)
+    {
+        mSerialFields.emplace_back("latent_format", &mLatentFormat, PluginFieldType::kINT32, 1);
+    }
     mSerialFc.nbFields = static_cast<int32_t>(mSerialFields.size());
     mSerialFc.fields = mSerialFields.data();
     return &mSerialFc;
@@ -290,10 +366,15 @@ PluginFieldCollection const* LatentAttentionPlugin::getFieldsToSerialize() noexc
 // ---------------------------------------------------------------------------------------------------------------
 // Creator
 
-LatentAttentionPluginCreator::LatentAttentionPluginCreator()
+LatentAttentionPluginCreator::LatentAttentionPluginCreator(int32_t version)
+    : mVersion(version == 2 ? 2 : 1)
 {
     mFields.emplace_back("rank", nullptr, PluginFieldType::kINT32, 1);
     mFields.emplace_back("scale", nullptr, PluginFieldType::kFLOAT32, 1);
+    if (mVersion == 2)
+    {
+        mFields.emplace_back("latent_format", nullptr, PluginFieldType::kINT32, 1);
+    }
     mFc.nbFields = static_cast<int32_t>(mFields.size());
     mFc.fields = mFields.data();
 }
@@ -305,7 +386,7 @@ char const* LatentAttentionPluginCreator::getPluginName() const noexcept
 
 char const* LatentAttentionPluginCreator::getPluginVersion() const noexcept
 {
-    return kPLUGIN_VERSION;
+    return versionString(mVersion);
 }
 
 char const* LatentAttentionPluginCreator::getPluginNamespace() const noexcept
@@ -318,12 +399,12 @@ PluginFieldCollection const* LatentAttentionPluginCreator::getFieldNames() noexc
     return &mFc;
 }
 
-LatentAttentionAttributes LatentAttentionPluginCreator::parse(PluginFieldCollection const* fc)
+LatentAttentionAttributes LatentAttentionPluginCreator::parse(PluginFieldCollection const* fc, int32_t version)
 {
     require(fc != nullptr, "no attributes given; LatentAttention needs rank and scale");
     bool haveRank = false;
     bool haveScale = false;
-    LatentAttentionAttributes a{0, 0.0F};
+    LatentAttentionAttributes a{0, 0.0F, kLatentFormatNone};
     for (int32_t i = 0; i < fc->nbFields; ++i)
     {
         PluginField const& f = fc->fields[i];
@@ -341,6 +422,14 @@ LatentAttentionAttributes LatentAttentionPluginCreator::parse(PluginFieldCollect
             require(std::isfinite(a.scale) && a.scale > 0.0F, "attribute scale must be a positive finite float");
             haveScale = true;
         }
+        else if (fieldIs(f, "latent_format"))
+        {
+            int64_t const fmt = fieldInt(f);
+            requireFormat(fmt);
+            require(version == 2 || fmt == kLatentFormatNone,
+                "attribute latent_format = " + std::to_string(fmt) + " needs plugin_version \"2\"");
+            a.latentFormat = static_cast<int32_t>(fmt);
+        }
     }
     require(haveRank, "attribute rank is missing (the latent value width R)");
     require(haveScale, "attribute scale is missing (the softmax scale, 1/sqrt(d_nope + d_rope))");
@@ -352,8 +441,8 @@ IPluginV3* LatentAttentionPluginCreator::createPlugin(
 {
     try
     {
-        LatentAttentionAttributes const a = parse(fc);
-        return std::make_unique<LatentAttentionPlugin>(a.rank, a.scale).release();
+        LatentAttentionAttributes const a = parse(fc, mVersion);
+        return std::make_unique<LatentAttentionPlugin>(a.rank, a.scale, mVersion, a.latentFormat).release();
     }
     catch (std::exception const& e)
     {

@@ -106,6 +106,9 @@ class KernelsLib:
         lib.kvx_topk_gather_workspace_size.argtypes = [i32, i32, i32]
         lib.kvx_latent_attention.restype = i32
         lib.kvx_latent_attention.argtypes = [i32, vp, vp, vp, vp, *[i32] * 6, ctypes.c_float, vp, vp, sz, dev_p, vp]
+        lib.kvx_latent_attention_v2.restype = i32
+        lib.kvx_latent_attention_v2.argtypes = [i32, i32, vp, vp, vp, vp, vp, vp, *[i32] * 6, ctypes.c_float, vp, vp, sz,
+                                                dev_p, vp]
         lib.kvx_latent_attention_workspace_size.restype = sz
         lib.kvx_latent_attention_workspace_size.argtypes = [i32] * 6
         lib.kvx_latent_attention_plan.restype = i32
@@ -177,4 +180,28 @@ class KernelsLib:
             ctypes.byref(self.device), self._stream())
         if rc != 0:
             raise RuntimeError(f"kvx_latent_attention failed with cudaError {rc}")
+        return out
+
+    def latent_attention_v2(self, q, latent, q_positions, latent_positions, rank: int, scale: float, new_latent=None,
+                            latent_scale=None, latent_format: int = 0, workspace=None, out=None):
+        """LatentAttention op version 2 (docs/custom_ops.md): ``latent`` uint8 codes + ``latent_scale`` (B, S) float16
+        for latent_format 1 (int8) / 2 (fp8), ``new_latent`` (B, T, D) attended after the cache -> out (B, Hq, T, R)."""
+        B, H, T, D = q.shape
+        S = latent.shape[1]
+        if out is None:
+            out = poisoned((B, H, T, rank), q.dtype, q.device)
+        total = S + (T if new_latent is not None else 0)
+        if workspace is None:
+            workspace = poisoned((self.workspace_size(B, H, T, total, D, rank),), torch.uint8, q.device)
+        q, latent, q_positions, latent_positions = (t.contiguous() for t in (q, latent, q_positions, latent_positions))
+        new_latent = None if new_latent is None else new_latent.contiguous()
+        latent_scale = None if latent_scale is None else latent_scale.contiguous()
+        rc = self.lib.kvx_latent_attention_v2(
+            DTYPE_CODES[q.dtype], int(latent_format), q.data_ptr(), latent.data_ptr(),
+            None if latent_scale is None else latent_scale.data_ptr(),
+            None if new_latent is None else new_latent.data_ptr(), q_positions.data_ptr(), latent_positions.data_ptr(),
+            B, H, T, S, D, rank, float(scale), out.data_ptr(), workspace.data_ptr(), workspace.numel(),
+            ctypes.byref(self.device), self._stream())
+        if rc != 0:
+            raise RuntimeError(f"kvx_latent_attention_v2 failed with cudaError {rc}")
         return out

@@ -223,6 +223,77 @@ int main()
     lio[1] = desc(DataType::kFLOAT);
     check(!qbuild->supportsFormatCombination(1, lio.data(), 4, 1), "LatentAttention latent typed like q");
 
+    check(!qbuild->supportsFormatCombination(0, lio.data(), 5, 1), "LatentAttention version 1 refuses 5 inputs");
+
+    // ---- LatentAttention plugin_version "2": new_latent, latent_scale, latent_format (issue 18)
+    LatentAttentionPluginCreator la2(2);
+    check(std::strcmp(la2.getPluginVersion(), "2") == 0 && std::strcmp(la.getPluginVersion(), "1") == 0,
+        "LatentAttention creators of versions 1 and 2");
+    check(fieldNames(la2.getFieldNames()) == "rank,scale,latent_format", "version 2 fields add latent_format");
+    int32_t fmt8 = 1;
+    int32_t fmtBad = 3;
+    PluginField lf2[3] = {PluginField("rank", &rank, PluginFieldType::kINT32, 1),
+        PluginField("scale", &scale, PluginFieldType::kFLOAT32, 1),
+        PluginField("latent_format", &fmt8, PluginFieldType::kINT32, 1)};
+    PluginFieldCollection lc2{3, lf2};
+    check(LatentAttentionPluginCreator::parse(&lc2, 2).latentFormat == 1, "latent_format parsed (version 2)");
+    check(throws([&] { LatentAttentionPluginCreator::parse(&lc2, 1); }), "latent_format refused by version 1");
+    PluginField lf2Bad[3] = {lf2[0], lf2[1], PluginField("latent_format", &fmtBad, PluginFieldType::kINT32, 1)};
+    PluginFieldCollection lc2Bad{3, lf2Bad};
+    check(throws([&] { LatentAttentionPluginCreator::parse(&lc2Bad, 2); }), "latent_format 3 rejected");
+    std::unique_ptr<IPluginV3> q2(la2.createPlugin("z", &lc2, TensorRTPhase::kBUILD));
+    check(q2 != nullptr, "createPlugin(version 2, int8)");
+    if (q2 != nullptr)
+    {
+        auto* core2 = static_cast<IPluginV3OneCore*>(q2->getCapabilityInterface(PluginCapabilityType::kCORE));
+        auto* b2 = static_cast<IPluginV3OneBuild*>(q2->getCapabilityInterface(PluginCapabilityType::kBUILD));
+        auto* rt2 = static_cast<IPluginV3OneRuntime*>(q2->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
+        check(std::strcmp(core2->getPluginVersion(), "2") == 0, "version 2 plugin reports plugin_version 2");
+        LatentAttentionAttributes const s2 = LatentAttentionPluginCreator::parse(rt2->getFieldsToSerialize(), 2);
+        check(s2.rank == 64 && s2.latentFormat == 1, "version 2 serialize round trip keeps latent_format");
+        std::vector<DynamicPluginTensorDesc> io2 = {desc(DataType::kHALF), desc(DataType::kUINT8),
+            desc(DataType::kINT64), desc(DataType::kINT64), desc(DataType::kHALF), desc(DataType::kHALF),
+            desc(DataType::kHALF)};
+        bool all2 = true;
+        for (int32_t pos = 0; pos < 7; ++pos)
+        {
+            all2 = all2 && b2->supportsFormatCombination(pos, io2.data(), 6, 1);
+        }
+        check(all2, "version 2 int8: fp16 q, uint8 latent, fp16 new_latent / latent_scale / out");
+        check(!b2->supportsFormatCombination(0, io2.data(), 5, 1), "quantized latent needs latent_scale (6 inputs)");
+        io2[1] = desc(DataType::kHALF);
+        check(!b2->supportsFormatCombination(1, io2.data(), 6, 1), "quantized latent must be uint8");
+        io2[1] = desc(DataType::kUINT8);
+        io2[5] = desc(DataType::kFLOAT);
+        check(!b2->supportsFormatCombination(5, io2.data(), 6, 1), "latent_scale must be float16");
+        io2[5] = desc(DataType::kHALF);
+        io2[4] = desc(DataType::kFLOAT);
+        check(!b2->supportsFormatCombination(4, io2.data(), 6, 1), "new_latent typed like q");
+        DataType in2[6] = {DataType::kBF16, DataType::kUINT8, DataType::kINT64, DataType::kINT64, DataType::kBF16,
+            DataType::kHALF};
+        DataType out2[1];
+        check(b2->getOutputDataTypes(out2, 1, in2, 6) == 0 && out2[0] == DataType::kBF16, "version 2 out as q");
+    }
+    int32_t fmt0 = 0;
+    PluginField lf2f[3] = {lf2[0], lf2[1], PluginField("latent_format", &fmt0, PluginFieldType::kINT32, 1)};
+    PluginFieldCollection lc2f{3, lf2f};
+    std::unique_ptr<IPluginV3> q2f(la2.createPlugin("w", &lc2f, TensorRTPhase::kBUILD));
+    if (q2f != nullptr)
+    {
+        auto* b2f = static_cast<IPluginV3OneBuild*>(q2f->getCapabilityInterface(PluginCapabilityType::kBUILD));
+        std::vector<DynamicPluginTensorDesc> io2f = {desc(DataType::kHALF), desc(DataType::kHALF),
+            desc(DataType::kINT64), desc(DataType::kINT64), desc(DataType::kHALF), desc(DataType::kHALF)};
+        bool allf = true;
+        for (int32_t pos = 0; pos < 6; ++pos)
+        {
+            allf = allf && b2f->supportsFormatCombination(pos, io2f.data(), 5, 1);
+        }
+        check(allf, "version 2 float cache + new_latent (5 inputs)");
+        io2f[1] = desc(DataType::kUINT8);
+        check(!b2f->supportsFormatCombination(1, io2f.data(), 5, 1), "version 2 float cache: latent typed like q");
+    }
+    check(q2f != nullptr, "createPlugin(version 2, float cache)");
+
     // ---- declared formats (compared with kvexport.tensorrt.op_support.PLUGIN_IO)
     declare("TopKGather", build,
         {DataType::kFLOAT, DataType::kHALF, DataType::kHALF, DataType::kINT64, DataType::kHALF, DataType::kHALF,
@@ -234,8 +305,8 @@ int main()
     // ---- library entry point
     int32_t n = 0;
     IPluginCreatorInterface* const* creators = getCreators(n);
-    check(n == 2 && creators != nullptr, "getCreators returns 2 creators");
-    if (n == 2)
+    check(n == 3 && creators != nullptr, "getCreators returns 3 creators (LatentAttention versions 1 and 2)");
+    if (n == 3)
     {
         auto* c0 = static_cast<IPluginCreatorV3One*>(creators[0]);
         auto* c1 = static_cast<IPluginCreatorV3One*>(creators[1]);
@@ -243,6 +314,10 @@ int main()
         check(std::strcmp(c0->getPluginName(), "TopKGather") == 0
                 && std::strcmp(c1->getPluginName(), "LatentAttention") == 0,
             "getCreators names");
+        auto* c2 = static_cast<IPluginCreatorV3One*>(creators[2]);
+        check(std::strcmp(c2->getPluginName(), "LatentAttention") == 0 && std::strcmp(c1->getPluginVersion(), "1") == 0
+                && std::strcmp(c2->getPluginVersion(), "2") == 0,
+            "getCreators: LatentAttention versions 1 and 2");
     }
     std::printf("%d failures\n", gFailures);
     return gFailures == 0 ? 0 : 1;

@@ -166,16 +166,21 @@ def test_topk_gather_rejects_k_above_slots(fast_exe):
 
 
 @pytest.mark.parametrize("name", ["S1000-k333-bfloat16-ties", "mla-no-values", "decode-S1000-H32-R512+64-float16",
-                                  "prefill-T17-S700-float32"])
+                                  "prefill-T17-S700-float32", "int8-prefill-T5-S64-fp16-new", "fp8-every-code-fp32",
+                                  "none-new-decode-S100-H8-fp16-mma"])
 def test_gpu_harness_on_the_cpu_library(name):
     """The GPU tests' ctypes harness (kernels_lib.KernelsLib: signatures, workspace sizes, poisoned outputs) against
     the CPU build of the same C interface."""
     from tests.plugins.kernels_lib import KernelsLib
 
     lib = KernelsLib(cpu_kernels.build("fast", shared=True))
-    case = next(c for c in TOPK_CASES + LATENT_CASES if c.name == name)
+    case = next(c for c in TOPK_CASES + LATENT_CASES + LATENT_V2_CASES if c.name == name)
     inputs = case.inputs()
-    if isinstance(case, TopKCase):
+    if isinstance(case, LatentV2Case):
+        q, latent, qpos, lpos, new, scale = inputs
+        kernel_cases.check_latent_v2(case, inputs, lib.latent_attention_v2(
+            q, latent, qpos, lpos, case.R, case.scale, new_latent=new, latent_scale=scale, latent_format=case.fmt))
+    elif isinstance(case, TopKCase):
         kernel_cases.check_topk(case, inputs, lib.topk_gather(*inputs, case.k), with_onnx=False)
     else:
         assert lib.plan(case.dtype, case.B, case.H, case.T, case.S, case.R + case.Dr, case.R)["splits"] >= 1

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.plugins import kernel_cases
-from tests.plugins.kernel_cases import LATENT_CASES, TOPK_CASES
+from tests.plugins.kernel_cases import LATENT_CASES, LATENT_V2_CASES, TOPK_CASES
 from tests.plugins.kernels_lib import KernelsLib, build_kernels, find_kernels_lib, nvcc
 
 pytestmark = [
@@ -26,7 +26,8 @@ pytestmark = [
 
 #: the cases scripts/gpu_check.sh runs under compute-sanitizer (small, one of each kernel path)
 SANITIZER_CASES = ("S37-k5-float16-ties", "special-inf-nan-signed-zero", "decode-S33-H32-R512+64-float16",
-                   "decode-S1000-H8-R64+32-bfloat16", "decode-S33-H4-R48+16-float32", "prefill-T5-S64-float16")
+                   "decode-S1000-H8-R64+32-bfloat16", "decode-S33-H4-R48+16-float32", "prefill-T5-S64-float16",
+                   "int8-prefill-T5-S64-fp16-new", "fp8-every-code-fp32", "none-new-decode-S100-H8-fp16-mma")
 
 
 def _selected(cases):
@@ -66,6 +67,17 @@ def test_latent_attention(lib, case):
     out = lib.latent_attention(*inputs, case.R, case.scale)
     torch.cuda.synchronize()
     kernel_cases.check_latent(case, inputs, out, with_onnx=os.environ.get("KVX_GPU_ONNX") == "1")
+
+
+@pytest.mark.parametrize("case", _selected(LATENT_V2_CASES), ids=lambda c: c.name)
+def test_latent_attention_v2(lib, case):
+    """Op version 2: int8 / fp8 caches dequantized in the load path, new rows after the cache slots."""
+    inputs = [None if t is None else _cuda(t) for t in case.inputs()]
+    q, latent, qpos, lpos, new, scale = inputs
+    out = lib.latent_attention_v2(q, latent, qpos, lpos, case.R, case.scale, new_latent=new, latent_scale=scale,
+                                  latent_format=case.fmt)
+    torch.cuda.synchronize()
+    kernel_cases.check_latent_v2(case, inputs, out)
 
 
 def test_latent_attention_rejects_rank_too_large(lib):
