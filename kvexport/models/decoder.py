@@ -89,6 +89,7 @@ class Decoder(nn.Module):
         spec = ModelSpec.from_hf_config(hf_model.config)
         base = hf_model.model
         rotary = Rotary.from_hf_rotary(base.rotary_emb)  # real: built outside the meta device
+        inv_freq = rotary.inv_freq.clone()  # the frequencies as loaded (from_hf_rotary)
         with torch.device("meta"):
             dec = cls(spec, rotary)
         param = next(hf_model.parameters())
@@ -107,7 +108,7 @@ class Decoder(nn.Module):
         if spec.tie_word_embeddings:
             dec.lm_head.weight = dec.embed_tokens.weight  # one parameter, as the HF model has it
         dec.rotary.to(dtype=param.dtype, device=param.device)  # as the copying version left it
-        dec.rotary.inv_freq.copy_(base.rotary_emb.inv_freq)
+        dec.rotary.inv_freq.copy_(inv_freq)
         left = [n for n, t in list(dec.named_parameters()) + list(dec.named_buffers()) if t.is_meta]
         if left:
             from kvexport.errors import BadModel

@@ -69,7 +69,10 @@ class Rotary(nn.Module):
 
     @classmethod
     def from_hf_rotary(cls, hf_rotary: nn.Module, offset: int = 0) -> "Rotary":
-        return cls(hf_rotary.inv_freq, getattr(hf_rotary, "attention_scaling", 1.0), offset)
+        """HF's rotary module -> a Rotary with its frequencies as loaded (``original_inv_freq`` where transformers
+        keeps one: ``inv_freq`` itself may have been rescaled by a long sequence the HF model ran before)."""
+        inv = getattr(hf_rotary, "original_inv_freq", None)
+        return cls(hf_rotary.inv_freq if inv is None else inv, getattr(hf_rotary, "attention_scaling", 1.0), offset)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, offset={self.offset}, scaling={self.scaling}"

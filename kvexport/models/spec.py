@@ -17,6 +17,15 @@ SUPPORTED_FAMILIES: dict[str, str] = {
 }
 
 
+#: RoPE variants whose frequencies are fixed at load time: kvexport rotates with the frequencies transformers computes
+FIXED_ROPE = ("default", "linear", "llama3", "yarn")
+#: variants whose frequencies transformers recomputes from the sequence length at run time -> when
+LENGTH_DEPENDENT_ROPE = {
+    "dynamic": "transformers' dynamic NTK rescales them past max_position_embeddings",
+    "longrope": "transformers switches to long_factor past original_max_position_embeddings",
+}
+
+
 def supported_families_text() -> str:
     return ", ".join(f"{v} ({k})" for k, v in SUPPORTED_FAMILIES.items())
 
@@ -101,9 +110,17 @@ class ModelSpec:
             if theta is None:
                 raise BadModel("model config has no RoPE parameters; kvexport needs a RoPE model")
             rope = {"rope_type": "default", "rope_theta": float(theta)}
-        if rope.get("rope_type", "default") not in ("default", "linear", "llama3", "dynamic", "yarn", "longrope"):
-            raise BadModel(f"unsupported rope_type {rope.get('rope_type')!r}")
-        attention_bias = bool(getattr(config, "attention_bias", False))
+        rope_type = rope.get("rope_type", "default")
+        if rope_type in LENGTH_DEPENDENT_ROPE:
+            raise BadModel(f"rope_type {rope_type!r} changes its frequencies with the sequence length "
+                           f"({LENGTH_DEPENDENT_ROPE[rope_type]}), which a cache of rotated keys cannot follow; "
+                           f"accepted: {', '.join(FIXED_ROPE)}")
+        if rope_type not in FIXED_ROPE:
+            raise BadModel(f"unsupported rope_type {rope_type!r}; accepted: {', '.join(FIXED_ROPE)}")
+        # read only where the family's HF modules read them (an extra key in another family's config.json is
+        # ignored by transformers, so it is ignored here too)
+        attention_bias = model_type in ("llama", "qwen3") and bool(getattr(config, "attention_bias", False))
+        mlp_bias = model_type == "llama" and bool(getattr(config, "mlp_bias", False))
         n_layers = int(config.num_hidden_layers)
         return cls(
             model_type=model_type,
@@ -118,7 +135,7 @@ class ModelSpec:
             max_position_embeddings=int(getattr(config, "max_position_embeddings", 2048) or 2048),
             qkv_bias=(model_type == "qwen2") or attention_bias,
             o_bias=attention_bias and model_type != "qwen2",
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            mlp_bias=mlp_bias,
             qk_norm=(model_type == "qwen3"),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             hidden_act=str(getattr(config, "hidden_act", "silu")),
