@@ -32,6 +32,9 @@ def convert_cmd(
     distill_tokens: Optional[int] = typer.Option(None, "--distill-tokens", help="Tokens to distill on."),
     target: Optional[str] = typer.Option(None, "--target", help="onnx (default) or tensorrt (adds engines)."),
     fp16: Optional[bool] = typer.Option(None, "--fp16/--fp32", help="Export in fp16 (default fp32)."),
+    kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="How the exported cache stores K/V (or the MLA "
+                                           "latent): fp32, fp16, bf16, int8, fp8 (docs/quantized.md). Default: the "
+                                           "export's dtype. A lossy format is also validated against its fp32 twin."),
     validate: Optional[bool] = typer.Option(None, "--validate/--no-validate", help="Check parity (default on)."),
     profile: Optional[bool] = typer.Option(None, "--profile/--no-profile", help="Profile latency/memory (default on)."),
     baseline: Optional[bool] = typer.Option(None, "--baseline/--no-baseline",
@@ -75,7 +78,7 @@ def convert_cmd(
                  budget=budget, window=window, chunk=chunk, max_positions=max_positions,
                  distill_teacher=distill_teacher,
                  distill_data=str(distill_data) if distill_data is not None else None,
-                 distill_tokens=distill_tokens, target=target, fp16=fp16, validate=validate, profile=profile,
+                 distill_tokens=distill_tokens, target=target, fp16=fp16, kv_dtype=kv_dtype, validate=validate, profile=profile,
                  baseline=baseline, contexts=contexts, decode_steps=decode_steps, validate_steps=validate_steps,
                  repeats=repeats, eval_data=eval_data, min_agreement=min_agreement,
                  max_ppl_increase=max_ppl_increase, fidelity=fidelity, allow_partial=True if allow_partial else None)
@@ -100,6 +103,11 @@ def convert_summary(out: Path, cj: dict) -> str:
     fid = json.loads(parity.read_text()).get("fidelity") if parity.is_file() else None
     if isinstance(fid, dict):
         line += f"\nwhat compression cost: {fidelity_summary(fid)}"
+    twin = json.loads(parity.read_text()).get("twin") if parity.is_file() else None
+    if isinstance(twin, dict):
+        from kvexport.report.sections import twin_label, twin_summary
+
+        line += f"\n{twin_label(twin)}: {twin_summary(twin)}"
     for p in layout.profile_files(out).values():
         for w in profile_warnings(json.loads(p.read_text())):
             line += f"\n[yellow]note:[/] {w}"

@@ -13,6 +13,7 @@ reason):
 - ``--mla-rank`` and ``--mla-energy`` exclude each other; ``--rope-dim`` needs one of them.
 - Distillation needs a teacher, data and MLA (it repairs the MLA rewrite).
 - ``--allow-partial`` only means something with ``--target tensorrt``.
+- ``--kv-dtype`` is one of kvexport.cache.formats' names (fp32, fp16, bf16, int8, fp8).
 
 The resolved settings are saved as ``DIR/convert.json``; ``--config DIR/convert.json`` reads them
 back, so ``kvexport convert --config A/convert.json --out B`` redoes the conversion of A.
@@ -65,6 +66,9 @@ class ConvertConfig:
     distill_tokens: int | None = None
     target: str = "onnx"
     fp16: bool = False
+    #: how the exported cache stores K/V (or the MLA latent): fp32, fp16, bf16, int8, fp8 (docs/quantized.md);
+    #: None = the export's dtype
+    kv_dtype: str | None = None
     validate: bool = True
     profile: bool = True
     baseline: bool = True
@@ -175,7 +179,7 @@ class ConvertConfig:
             if not isinstance(v, bool):
                 raise BadUsage(f"{source}: {name} must be true or false, got {v!r}")
         self.contexts = parse_contexts(self.contexts, source)
-        for name in ("model", "press", "distill_teacher", "distill_data", "target", "eval_data"):
+        for name in ("model", "press", "distill_teacher", "distill_data", "target", "eval_data", "kv_dtype"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
                 setattr(self, name, str(v))
@@ -237,6 +241,10 @@ class ConvertConfig:
                 raise BadUsage(f"distillation data {self.distill_data} does not exist")
             if self.distill_tokens is not None and self.distill_tokens < 1:
                 raise BadUsage(f"--distill-tokens {self.distill_tokens} must be >= 1")
+        if self.kv_dtype is not None:
+            from kvexport.cache.formats import kv_format
+
+            kv_format(self.kv_dtype)  # one line for an unknown name (kvexport.cache.formats' own message)
         if self.target not in TARGETS:
             raise BadUsage(f"--target {self.target!r} is not one of: {', '.join(TARGETS)}")
         if self.allow_partial and self.target != "tensorrt":

@@ -27,7 +27,7 @@ def export_converted(st) -> Path:
     press = cfg.press if cfg.uses_press else None
     kw = _kwargs(export_model, press=press, budget=cfg.budget if press else None,
                  window=cfg.window if press else 32, chunk=cfg.chunk, dtype="fp16" if cfg.fp16 else "fp32",
-                 ops="custom", force=False, max_positions=cfg.max_positions,
+                 ops="custom", force=False, max_positions=cfg.max_positions, kv_dtype=cfg.kv_dtype,
                  source=st.work / layout.MLA_DIR if st.mla_decoder is not None else None,
                  tokenizer_dir=st.model_path, original=st.model_path, progress=getattr(st, "progress", None))
     return export_model(model, st.work / layout.ONNX_DIR, **kw)

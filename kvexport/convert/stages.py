@@ -238,8 +238,9 @@ def stage_engine(st: ConvertState) -> str:
 
 def stage_validate(st: ConvertState) -> str:
     """Parity of DIR/onnx against the PyTorch model it was made from (the MLA decoder in DIR/mla, or the source
-    model), + the TensorRT pairs when engines were built, + what compression cost against the original model
-    (the fidelity settings); DIR/parity.json. A failed tolerance or fidelity gate fails the stage."""
+    model; a quantized export against the PyTorch cache in the same ``kv_dtype``), + the TensorRT pairs when engines
+    were built, + what compression cost against the original model (the fidelity settings), + a lossy cache format
+    against its fp32 twin (parity.json's ``twin``, kvexport.export.twin); DIR/parity.json. A failed tolerance or fidelity gate fails the stage."""
     from kvexport.convert.config import fidelity_kwargs
     from kvexport.export.validation import validate
     from kvexport.report.collect import normalize_parity
@@ -270,6 +271,10 @@ def stage_validate(st: ConvertState) -> str:
     msg = f"PASSED ({', '.join(p['pair'] for p in norm['pairs'])})"
     if isinstance(parity.get("fidelity"), dict):
         msg += f"; vs the original: {fidelity_summary(parity['fidelity'])}"
+    if isinstance(parity.get("twin"), dict):
+        from kvexport.report.sections import twin_label, twin_summary
+
+        msg += f"; {twin_label(parity['twin'])}: {twin_summary(parity['twin'])}"
     return msg
 
 

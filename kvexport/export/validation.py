@@ -112,12 +112,15 @@ def _key(*arrays) -> bytes:
 
 
 def reference_kwargs(settings: dict, press) -> dict:
-    """The :func:`kvexport.generation.generate` settings that match an export (press, window, chunk, capacity)."""
+    """The :func:`kvexport.generation.generate` settings that match an export (press, window, chunk, capacity,
+    the cache format ``kv_dtype``)."""
     if settings["mode"] == "dynamic":
         return {"press": None, "chunk": int(settings["chunk"])}
+    # a quantized export is compared with the PyTorch cache in the same format (it writes the same codes)
+    kvd = {"kv_dtype": settings["kv_dtype"]} if settings.get("kv_dtype") else {}
     if press is None:
-        return {"press": None, "chunk": int(settings["chunk"]), "capacity": int(min(settings["capacities"]))}
-    return {"press": press, "window": int(settings["window"]), "chunk": int(settings["chunk"])}
+        return {"press": None, "chunk": int(settings["chunk"]), "capacity": int(min(settings["capacities"])), **kvd}
+    return {"press": press, "window": int(settings["window"]), "chunk": int(settings["chunk"]), **kvd}
 
 
 def reference_generate(decoder, settings: dict, press, ids, mask, n_new: int, forced=None, tie_break=None):
@@ -311,6 +314,30 @@ class _PairStats:
         }
 
 
+def twin_section(decoder, settings: dict, tokenizer, eval_data=None, fidelity_settings=None, say=None) -> dict:
+    """A lossy cache (``settings["kv_dtype"]``) against its fp32 twin: the PyTorch library path with the export's
+    model, press, budget, window and chunk, run once with ``kv_dtype=fp32`` and once in the export's format, on the
+    fidelity check's held-out windows (:mod:`kvexport.export.twin`). -> parity.json's ``twin`` section."""
+    from kvexport.export.exporter import press_from_dict
+    from kvexport.export.fidelity import FidelitySettings, _windows, default_prefix, eval_stream
+    from kvexport.export.twin import twin_compare
+
+    fs = fidelity_settings or FidelitySettings()
+    P = fs.prefix or default_prefix(settings, fs.scored)
+    stream, desc = eval_stream(tokenizer, eval_data, fs.seed, int(settings["vocab_size"]), P + fs.scored + 1)
+    wins = _windows(stream, fs.sequences, P + fs.scored + 1)
+    kw = reference_kwargs(settings, None)
+    kw.pop("kv_dtype", None)
+    pd = settings["press"]
+    factory = (lambda: press_from_dict(pd)) if pd is not None and settings["mode"] != "dynamic" else None
+    out = twin_compare(decoder, wins, P, fs.scored, settings["kv_dtype"], factory,
+                       window=int(kw.get("window") or settings.get("window") or 32), chunk=kw["chunk"],
+                       capacity=kw.get("capacity"), batch=8, progress=say)
+    out["eval_data"] = desc
+    out["label"] = f"{settings['kv_dtype']} cache vs its fp32 twin"
+    return out
+
+
 def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rtol: float | None = None,
              model=None, providers=None, write: bool = True, raise_on_failure: bool = False,
              backend: str = "onnxruntime", engines=None, trt_generator=None, candidate=None,
@@ -341,6 +368,7 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     from kvexport.export.manifest import verify_manifest
     from kvexport.export.runtime import OrtGenerator
     from kvexport.export.ties import TIE_RTOL
+    from kvexport.export.twin import is_lossy
     from kvexport.models.loading import free_memory
 
     say = progress or (lambda msg: None)
@@ -411,6 +439,9 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
                              ties=referee.accepted if referee is not None else 0)
     finally:
         G_LOGGER.module_severity = old
+    twin = None
+    if fidelity and is_lossy(s.get("kv_dtype"), s["dtype"]):
+        twin = twin_section(decoder, s, tokenizer, eval_data, fidelity_settings, say)
     # the reference (and the runners holding it) are done: free them before fidelity loads the original model
     decoder = runners = cand_runner = ref_runner = known = trt_runner = trt_ref = None  # noqa: F841
     free_memory()
@@ -432,6 +463,8 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
                                               settings=fidelity_settings or FidelitySettings(),
                                               min_agreement=min_agreement, max_ppl_increase=max_ppl_increase,
                                               progress=say)
+    if twin is not None:
+        report["twin"] = twin
     if write:
         atomic_write_bytes(Path(path) / PARITY_FILE, (json.dumps(report, indent=2, sort_keys=True) + "\n").encode())
     failed = [n for n, p in pairs.items() if not p["passed"]]

@@ -87,6 +87,8 @@ def collect(out_dir: str | Path) -> dict[str, Any]:
         "profiles": profiles,
         "studies": studies,
         "artifacts": artifacts(d, convert),
+        # a lossy cache against its fp32 twin (kvexport.export.twin), when validate measured it
+        "twin": (parity or {}).get("raw", {}).get("twin") if parity else None,
     }
 
 

@@ -158,6 +158,8 @@ def build_sections(rep: dict[str, Any], plot_stems: dict[str, str]) -> list[Sect
     fid = _fidelity(rep)
     if fid:
         secs.append(_fidelity_section(fid))
+    if isinstance(rep.get("twin"), dict):
+        secs.append(_twin_section(rep["twin"]))
     if plot_stems:
         s = Section("Plots", "plots")
         for stem, caption in plot_stems.items():
@@ -193,6 +195,8 @@ def _summary(rep: dict[str, Any]) -> Section:
     fid = _fidelity(rep)
     if fid:
         rows.append(["what compression cost", fidelity_summary(fid)])
+    if isinstance(rep.get("twin"), dict):
+        rows.append([twin_label(rep["twin"]), twin_summary(rep["twin"])])
     if cache:
         rows.append(["KV bytes per token (converted / baseline)",
                      f"{fmt_bytes(cache.get('bytes_per_token'))} / {fmt_bytes(cache.get('baseline_bytes_per_token'))}"
@@ -272,6 +276,48 @@ def _fidelity_section(fid: dict[str, Any]) -> Section:
             f"perplexity increase <= {fmt_pct(g['max_ppl_increase'], signed=True)}"
             if g.get("max_ppl_increase") is not None else "") if x)
             + (": " + ("PASSED" if g.get("passed") else "FAILED") if g.get("passed") is not None else ""))
+    return s
+
+
+def twin_label(tw: dict[str, Any]) -> str:
+    return tw.get("label") or f"{tw.get('kv_dtype', '?')} cache vs its fp32 twin"
+
+
+def twin_summary(tw: dict[str, Any]) -> str:
+    """parity.json's ``twin`` in one line: agreement, KL, max |Δlogit|, cache bytes of both."""
+    k = tw.get("kv_dtype", "?")
+    cb = tw.get("cache_bytes") or {}
+    return (f"next-token agreement {fmt_pct(tw.get('next_token_agreement'))}, KL {fmt(tw.get('mean_kl'))} nats/token, "
+            f"max |Δlogit| {_g3(tw.get('max_abs_logit_diff'))}, cache {fmt_bytes(cb.get(k))} vs "
+            f"{fmt_bytes(cb.get('fp32'))} in fp32")
+
+
+def _twin_section(tw: dict[str, Any]) -> Section:
+    k = tw.get("kv_dtype", "?")
+    s = Section(twin_label(tw), "twin")
+    s.blocks.append(f"The PyTorch cache in {k} against its fp32 twin: the same converted model, press, budget, window "
+                    f"and chunk, run twice by kvexport.generation.generate (kv_dtype={k} and kv_dtype=fp32), on "
+                    f"{tw.get('eval_data', '?')}: {tw.get('windows', '?')} windows of {tw.get('prefix_tokens', '?')} "
+                    f"tokens, then {tw.get('scored_tokens', '?')} positions teacher-forced with the fp32 twin's greedy "
+                    "tokens. Parity above compares the export with the PyTorch cache in the same format; "
+                    "'What compression cost' compares it with the original model.")
+    rb = tw.get("resident_bytes") or {}
+    cb = tw.get("cache_bytes") or {}
+    margin = tw.get("fp32_margin") or {}
+    rows = [["next-token agreement", fmt_pct(tw.get("next_token_agreement")),
+             f"argmax of the {k} cache = the fp32 twin's greedy token"],
+            [f"mean KL(fp32 ‖ {k})", f"{fmt(tw.get('mean_kl'))} nats/token", "0 = the same distribution"],
+            ["max |Δlogit|", _g3(tw.get("max_abs_logit_diff")), "largest logit difference at any position"],
+            ["kept sets equal", fmt_pct(tw.get("kept_agreement")) if tw.get("kept_agreement") is not None else "-",
+             "eviction decisions the format left unchanged (per compaction, layer, row, head)"],
+            ["fp32 top-1 margin where they disagree", _g3(margin.get("median_disagreeing")),
+             f"median logit gap; over all positions {_g3(margin.get('median_all'))} (small = a near-tie)"],
+            [f"cache bytes ({k} / fp32)", f"{fmt_bytes(cb.get(k))} / {fmt_bytes(cb.get('fp32'))}",
+             "K/V (or latent) rows + scales"],
+            [f"resident bytes ({k} / fp32)",
+             f"{fmt_bytes(sum((rb.get(k) or {}).values()))} / {fmt_bytes(sum((rb.get('fp32') or {}).values()))}",
+             "every cache buffer: rows, scales, positions, query ring"]]
+    s.blocks.append(Table(["measure", "value", "meaning"], rows))
     return s
 
 

@@ -37,6 +37,7 @@ REFUSALS = [
     (["--eval-data", "no/such.txt"], "--eval-data no/such.txt does not exist"),
     (["--no-fidelity", "--min-agreement", "0.9"], "--no-fidelity drops the fidelity check"),
     (["--no-validate", "--max-ppl-increase", "0.1"], "checked by the validate stage; drop --no-validate"),
+    (["--kv-dtype", "int4"], r"--kv-dtype 'int4' unknown; accepted: fp32, fp16, bf16, int8, fp8"),
 ]
 
 

@@ -143,3 +143,40 @@ def test_version_2_latent_attention_is_flagged_for_tensorrt():
     problems = check_model(m).problems
     assert problems and {p.node for p in problems} == {"planted_la"}
     assert all("no TensorRT plugin yet" in p.reason for p in problems)
+
+
+def test_validate_compares_a_quantized_export_with_the_same_format_and_reports_its_fp32_twin(tiny_models, tmp_path):
+    """``validate`` runs the PyTorch reference in the export's kv_dtype (an fp32 reference would be ~1e-2 away) and,
+    for a lossy format, adds the int8 cache against its fp32 twin (two independent generate runs)."""
+    from kvexport.export.fidelity import FidelitySettings
+    from kvexport.export.validation import reference_kwargs, validate
+
+    hf = tiny_models("llama")
+    out = export_model(hf, tmp_path / "x", press=_press("knorm"), window=WINDOW, chunk=CHUNK, kv_dtype="int8")
+    s = verify_manifest(out)["settings"]
+    assert reference_kwargs(s, _press("knorm"))["kv_dtype"] == "int8"
+    rep = validate(out, prompts=[PROMPT], steps=STEPS, model=hf, write=False,
+                   fidelity_settings=FidelitySettings(sequences=2, scored=8, prefix=2 * BUDGET, recall=0))
+    pair = rep["pairs"]["pytorch~onnxruntime"]
+    assert pair["passed"] and pair["max_abs_logit_error"] < ATOL
+    tw = rep["twin"]
+    assert tw["kv_dtype"] == "int8" and tw["windows"] == 2 and tw["scored_tokens"] == 16
+    # the twin's figures from runs made here: fp32 greedy tokens forced into the int8 cache
+    from kvexport.export.fidelity import _windows, eval_stream
+
+    dec = load_reference_model({"settings": s}, hf)
+    stream, _ = eval_stream(None, None, 0, int(s["vocab_size"]), 2 * BUDGET + 9)
+    ids = torch.from_numpy(_windows(stream, 2, 2 * BUDGET + 9)[:, : 2 * BUDGET])
+    kw = dict(window=WINDOW, chunk=CHUNK, max_new_tokens=8, keep_logits=True)
+    a = generate(dec, ids, press=_press("knorm"), kv_dtype="fp32", **kw)
+    b = generate(dec, ids, press=_press("knorm"), kv_dtype="int8", forced_tokens=a.tokens, **kw)
+    la = torch.stack([a.prompt_logits, *a.step_logits], 1)
+    lb = torch.stack([b.prompt_logits, *b.step_logits], 1)
+    assert tw["next_token_agreement"] == pytest.approx(float((la.argmax(-1) == lb.argmax(-1)).float().mean()))
+    assert tw["max_abs_logit_diff"] == pytest.approx(float((la - lb).abs().max()), rel=1e-5)
+    assert 0 < tw["max_abs_logit_diff"] and tw["cache_bytes"]["int8"] < tw["cache_bytes"]["fp32"]
+    # fp32 / fp16-in-fp16 caches are lossless: no twin
+    from kvexport.export.twin import is_lossy
+
+    assert not is_lossy("fp32", "fp32") and not is_lossy("fp16", "fp16") and is_lossy("fp16", "fp32")
+    assert is_lossy("int8", "fp16") and not is_lossy(None, "fp32")
