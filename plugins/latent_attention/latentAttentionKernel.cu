@@ -15,6 +15,12 @@
 //   float32 shared tiles of 32 slots, lane = slot for the logits and lane = channel for the value sum.
 // latentCombineKernel, grid (B * rows, R / 128): merges the split partials into `out`.
 //
+// Op version 2 (docs/custom_ops.md): a quantized cache (uint8 int8 / fp8 e4m3fn codes, one fp16 scale per row) is
+// dequantized in the load path: the tensor-core kernel stages the raw codes by cp.async and converts them in shared
+// memory into the tile's rows before ldmatrix; the CUDA-core kernel converts while staging its float32 tiles. Each
+// value is rounded to q's type, as the reference dequantizes to q's dtype. new_latent's T rows are slots S .. S+T-1
+// of the same softmax, at the queries' positions.
+//
 // The split count comes from a cost model (planLatentAttention): modelled time of the main kernel (waves of blocks,
 // each bound by its share of memory bandwidth or of tensor / FMA throughput) plus the partials' traffic and the
 // combine launch; among choices within 3 % of the best, the one moving the fewest partial bytes wins.
@@ -177,8 +183,13 @@ template <typename T>
 struct MmaArgs
 {
     T const* q;
-    T const* latent;
+    T const* latent;    // format 0: (B, S, D); null for a quantized cache
     T const* newLatent; // (B, T, D) this step's rows (slots [cacheSlots, slots)), or null
+    unsigned char const* codes; // format 1 / 2: (B, S, D) uint8, staged raw by cp.async, dequantized in shared memory
+    __half const* latScale;     // format 1 / 2: (B, S)
+    int32_t format;
+    int32_t ldq;  // shared row stride of the staged codes, bytes (D rounded up to 16; 0 without a quantized cache)
+    int32_t vecq; // cp.async chunk of the codes, bytes (16, 8 or 4)
     int64_t const* qPos;
     int64_t const* latPos;
     int32_t rows;       // heads * queries
@@ -206,10 +217,11 @@ struct MmaArgs
 //! Dynamic shared memory layout of latentMmaKernel, bytes (every section 16-byte aligned).
 struct MmaSmem
 {
-    int32_t q, lat0, lat1, p, lp0, lp1, red, total;
+    int32_t q, lat0, lat1, p, lp0, lp1, red, code0, code1, total;
 };
 
-__host__ __device__ inline MmaSmem mmaSmem(int32_t m, int32_t n, int32_t ld, int32_t ldp, int32_t warps)
+//! ldq: the staged code rows' stride in bytes (0: no quantized cache, no code stages).
+__host__ __device__ inline MmaSmem mmaSmem(int32_t m, int32_t n, int32_t ld, int32_t ldp, int32_t warps, int32_t ldq)
 {
     MmaSmem s{};
     int32_t off = 0;
@@ -227,6 +239,10 @@ __host__ __device__ inline MmaSmem mmaSmem(int32_t m, int32_t n, int32_t ld, int
     off += n * 8;
     s.red = off;
     off += warps * 16 * 4;
+    s.code0 = off;
+    off += n * ldq;
+    s.code1 = off;
+    off += n * ldq;
     s.total = off;
     return s;
 }
@@ -240,13 +256,15 @@ __global__ void __launch_bounds__(kMmaMaxThreads) latentMmaKernel(MmaArgs<T> con
     int32_t const warps = a.warpsM * a.warpsR;
     int32_t const m16 = 16 * a.warpsM;
     int32_t const n = a.tileSlots;
-    MmaSmem const lay = mmaSmem(m16, n, a.ld, a.ldp, warps);
+    MmaSmem const lay = mmaSmem(m16, n, a.ld, a.ldp, warps, a.ldq);
     T* sQ = reinterpret_cast<T*>(smem + lay.q);
     T* sP = reinterpret_cast<T*>(smem + lay.p);
     float* sRed = reinterpret_cast<float*>(smem + lay.red);
     // the two stages of the latent ring and of its positions (pointer arithmetic, no local arrays)
     auto sLat = [&](int32_t stage) { return reinterpret_cast<T*>(smem + (stage ? lay.lat1 : lay.lat0)); };
     auto sLp = [&](int32_t stage) { return reinterpret_cast<int64_t*>(smem + (stage ? lay.lp1 : lay.lp0)); };
+    auto sCodes = [&](int32_t stage) { return smem + (stage ? lay.code1 : lay.code0); };
+    bool const quantized = a.format != kLatentFormatNone;
 
     int32_t const tid = threadIdx.x;
     int32_t const nThreads = blockDim.x;
@@ -283,13 +301,17 @@ __global__ void __launch_bounds__(kMmaMaxThreads) latentMmaKernel(MmaArgs<T> con
     int32_t const tileEnd = min(tiles, tileBegin + a.tilesPerSplit);
     int32_t const rowBytes = a.dim * static_cast<int32_t>(sizeof(T));
     int32_t const chunksPerRow = rowBytes / a.vec;
-    auto const* latB = reinterpret_cast<unsigned char const*>(a.latent + b * a.cacheSlots * a.dim);
+    auto const* latB = a.latent == nullptr ? nullptr
+                                           : reinterpret_cast<unsigned char const*>(a.latent + b * a.cacheSlots * a.dim);
+    unsigned char const* codesB = a.codes == nullptr ? nullptr : a.codes + b * a.cacheSlots * a.dim;
+    int32_t const chunksPerRowQ = a.vecq > 0 ? a.dim / a.vecq : 0;
     auto const* newB = a.newLatent == nullptr ? nullptr
                                               : reinterpret_cast<unsigned char const*>(a.newLatent + b * a.queries * a.dim);
     int64_t const* lpB = a.latPos + b * a.cacheSlots;
     int64_t const* qpB = a.qPos + b * a.queries;
 
-    // issues the copies of one tile (latent rows and their positions) as one cp.async group
+    // issues the copies of one tile (latent rows and their positions) as one cp.async group; a quantized cache's rows
+    // go to the stage's code buffer as raw bytes (dequantize() converts them), the new rows straight to the tile
     auto load = [&](int32_t tile, int32_t stage) {
         int32_t const s0 = tile * n;
         auto* dst = reinterpret_cast<unsigned char*>(sLat(stage));
@@ -298,6 +320,10 @@ __global__ void __launch_bounds__(kMmaMaxThreads) latentMmaKernel(MmaArgs<T> con
             int32_t const r = i / chunksPerRow;
             int32_t const c = i - r * chunksPerRow;
             bool const in = s0 + r < a.slots;
+            if (quantized && (!in || s0 + r < a.cacheSlots))
+            {
+                continue; // a cache row (staged as codes) or tile padding (zeroed by dequantize())
+            }
             int32_t const slot = in ? s0 + r : 0;
             unsigned char const* src = slot < a.cacheSlots
                 ? latB + static_cast<int64_t>(slot) * rowBytes + c * a.vec
@@ -317,6 +343,30 @@ __global__ void __launch_bounds__(kMmaMaxThreads) latentMmaKernel(MmaArgs<T> con
                 cpAsync<4>(d, src, bytes);
             }
         }
+        if (quantized)
+        {
+            unsigned char* cdst = sCodes(stage);
+            int32_t const cacheRows = max(0, min(n, a.cacheSlots - s0));
+            for (int32_t i = tid; i < cacheRows * chunksPerRowQ; i += nThreads)
+            {
+                int32_t const r = i / chunksPerRowQ;
+                int32_t const c = i - r * chunksPerRowQ;
+                unsigned char const* src = codesB + static_cast<int64_t>(s0 + r) * a.dim + c * a.vecq;
+                void* d = cdst + r * a.ldq + c * a.vecq;
+                if (a.vecq == 16)
+                {
+                    cpAsync<16>(d, src, 16);
+                }
+                else if (a.vecq == 8)
+                {
+                    cpAsync<8>(d, src, 8);
+                }
+                else
+                {
+                    cpAsync<4>(d, src, 4);
+                }
+            }
+        }
         for (int32_t r = tid; r < n; r += nThreads)
         {
             bool const in = s0 + r < a.slots;
@@ -324,6 +374,29 @@ __global__ void __launch_bounds__(kMmaMaxThreads) latentMmaKernel(MmaArgs<T> con
             cpAsync<8>(sLp(stage) + r, slot < a.cacheSlots ? lpB + slot : qpB + (slot - a.cacheSlots), in ? 8 : 0);
         }
         cpAsyncCommit();
+    };
+
+    // a quantized tile: codes (shared) -> values in T in the tile's rows, rounded as the reference's dequantize to
+    // q's dtype; tile padding rows beyond S (+ T) zeroed; the new rows were copied by load() already
+    auto dequantize = [&](int32_t tile, int32_t stage) {
+        int32_t const s0 = tile * n;
+        unsigned char const* codes = sCodes(stage);
+        T* lat = sLat(stage);
+        for (int32_t i = tid; i < n * a.dim; i += nThreads)
+        {
+            int32_t const r = i / a.dim;
+            int32_t const c = i - r * a.dim;
+            int32_t const slot = s0 + r;
+            if (slot < a.cacheSlots)
+            {
+                float const s = __half2float(a.latScale[b * a.cacheSlots + slot]);
+                lat[r * a.ld + c] = fromFloat<T>(decodeLatentCode(codes[r * a.ldq + c], a.format) * s);
+            }
+            else if (slot >= a.slots)
+            {
+                lat[r * a.ld + c] = zero;
+            }
+        }
     };
 
     int64_t qp[2];
@@ -364,6 +437,11 @@ __global__ void __launch_bounds__(kMmaMaxThreads) latentMmaKernel(MmaArgs<T> con
             cpAsyncWait<0>();
         }
         __syncthreads(); // this tile (and, the first time, the queries) visible to every warp
+        if (quantized)
+        {
+            dequantize(tile, stage);
+            __syncthreads(); // the dequantized rows visible to every warp
+        }
         T const* lat = sLat(stage);
         int64_t const* lpTile = sLp(stage);
 
@@ -875,6 +953,8 @@ struct Config
     int32_t ld;
     int32_t ldp;
     int32_t dp;  // SIMT: float row stride
+    int32_t vecq; // MMA, quantized cache: cp.async chunk of the codes, bytes
+    int32_t ldq;  // MMA, quantized cache: staged code row stride, bytes
 };
 
 int32_t mmaVecBytes(int32_t dim, int32_t elemSize, void const* latent)
@@ -891,15 +971,21 @@ int32_t mmaVecBytes(int32_t dim, int32_t elemSize, void const* latent)
 
 bool mmaConfig(LatentAttentionParams const& p, KvxDeviceInfo const& dev, Config& c)
 {
-    if (p.dataType == static_cast<int32_t>(KvxDType::kFLOAT32) || dev.ccMajor < 8
-        || p.latentFormat != kLatentFormatNone)
+    if (p.dataType == static_cast<int32_t>(KvxDType::kFLOAT32) || dev.ccMajor < 8)
     {
-        return false; // quantized caches take the CUDA-core path (dequantized while staging its float32 tiles)
+        return false;
     }
-    int32_t vec = mmaVecBytes(p.dim, 2, p.latent);
+    bool const quantized = p.latentFormat != kLatentFormatNone;
+    // chunk sizes: the cache's codes (1 byte each) and the rows in T (the cache's, and the new rows'), one per source
+    int32_t const vecq = quantized ? mmaVecBytes(p.dim, 1, p.latent) : 0;
+    int32_t vec = quantized ? 16 : mmaVecBytes(p.dim, 2, p.latent);
     if (p.newLatent != nullptr)
     {
-        vec = std::min(vec, mmaVecBytes(p.dim, 2, p.newLatent)); // one chunk size for both row sources
+        vec = std::min(vec, mmaVecBytes(p.dim, 2, p.newLatent));
+    }
+    if (quantized && vecq == 0)
+    {
+        return false; // no cp.async chunk divides the code rows: the CUDA-core path dequantizes while staging
     }
     if (vec == 0)
     {
@@ -909,6 +995,7 @@ bool mmaConfig(LatentAttentionParams const& p, KvxDeviceInfo const& dev, Config&
     int32_t const warpsR = static_cast<int32_t>(ceilDiv(p.rank, 8 * nt));
     int32_t const dk = static_cast<int32_t>(ceilDiv(p.dim, 16) * 16);
     int32_t const ld = dk + 8;
+    int32_t const ldq = quantized ? dk : 0;
     int64_t const rows = static_cast<int64_t>(p.heads) * p.queries;
     int32_t const wantM = static_cast<int32_t>(std::min<int64_t>(kLargestRowTile / 16, ceilDiv(rows, 16)));
     int32_t const sws32[] = {32, 16};
@@ -922,11 +1009,11 @@ bool mmaConfig(LatentAttentionParams const& p, KvxDeviceInfo const& dev, Config&
             int32_t const sw = cand[i];
             int32_t const n = sw * warpsR;
             int32_t const ldp = n + 8;
-            int32_t const smem = mmaSmem(16 * warpsM, n, ld, ldp, warpsM * warpsR).total;
+            int32_t const smem = mmaSmem(16 * warpsM, n, ld, ldp, warpsM * warpsR, ldq).total;
             if (smem <= dev.smemPerBlockOptin)
             {
                 c = Config{LatentAttentionPath::kMma, 16 * warpsM, n, 32 * warpsM * warpsR, smem, nt, sw, warpsM,
-                    warpsR, vec, dk, ld, ldp, 0};
+                    warpsR, vec, dk, ld, ldp, 0, vecq, ldq};
                 return true;
             }
         }
@@ -1058,8 +1145,14 @@ cudaError_t launchMma(LatentAttentionParams const& p, Config const& c, LatentAtt
     auto* ws = static_cast<unsigned char*>(p.workspace);
     MmaArgs<T> a{};
     a.q = static_cast<T const*>(p.q);
-    a.latent = static_cast<T const*>(p.latent);
+    bool const quantized = p.latentFormat != kLatentFormatNone;
+    a.latent = quantized ? nullptr : static_cast<T const*>(p.latent);
     a.newLatent = static_cast<T const*>(p.newLatent);
+    a.codes = quantized ? static_cast<unsigned char const*>(p.latent) : nullptr;
+    a.latScale = static_cast<__half const*>(p.latentScale);
+    a.format = p.latentFormat;
+    a.ldq = c.ldq;
+    a.vecq = c.vecq;
     a.qPos = p.qPositions;
     a.latPos = p.latentPositions;
     a.rows = p.heads * p.queries;

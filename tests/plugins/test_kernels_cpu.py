@@ -114,8 +114,6 @@ def test_latent_attention_paths_covered(fast_exe):
 def test_latent_attention_v2(fast_exe, case):
     """Op version 2: int8 / fp8 caches dequantized in the load path, new rows attended after the cache slots."""
     inputs, job = run_latent_v2(fast_exe, case)
-    if case.fmt != 0:
-        assert job.plan["path"] == "simt", job.plan  # quantized caches take the CUDA-core path
     if case.path is not None:
         assert job.plan["path"] == case.path, job.plan
     kernel_cases.check_latent_v2(case, inputs, job.outputs["out"])
@@ -129,8 +127,9 @@ def test_latent_attention_v2_reaches_splits_and_one_split(fast_exe):
         jobs.device(**({"sms": 132, "optin": 232448, "cc": "9.0"} | case.device))
         runs.append(jobs.latent_attention_v2(q, latent, qpos, lpos, case.R, case.scale, new, scale, case.fmt))
     jobs.run(fast_exe)
-    seen = {(job.plan["path"], job.plan["splits"] > 1) for job in runs}
-    assert {("simt", True), ("mma", True), ("mma", False)} <= seen, seen
+    seen = {(job.plan["path"], job.plan["splits"] > 1, case.fmt != 0) for case, job in zip(LATENT_V2_CASES, runs, strict=True)}
+    assert {("simt", True, True), ("mma", True, True), ("mma", False, True), ("mma", True, False),
+            ("simt", True, False)} <= seen, seen
 
 
 @pytest.mark.parametrize("fmt,with_scale", [(3, True), (-1, True), (1, False), (2, False)])
@@ -216,6 +215,8 @@ TSAN_CASES = [
     LatentCase("tsan-mma-split", 1, 8, 1, 100, 64, 32, kernel_cases.torch.float16, path="mma"),
     LatentCase("tsan-mma-two-warps-per-row", 1, 16, 1, 40, 512, 64, kernel_cases.torch.bfloat16, path="mma"),
     LatentCase("tsan-simt", 1, 4, 1, 70, 48, 16, kernel_cases.torch.float32, path="simt"),
+    LatentV2Case("tsan-mma-int8-new-two-warps", 1, 16, 1, 40, 512, 64, kernel_cases.torch.float16, path="mma"),
+    LatentV2Case("tsan-simt-fp8-new", 1, 4, 2, 40, 48, 16, kernel_cases.torch.float32, fmt=2, path="simt"),
 ]
 
 
@@ -224,6 +225,9 @@ def test_kernels_tsan(tsan_exe, case):
     if isinstance(case, TopKCase):
         inputs, job = run_topk(tsan_exe, case)
         kernel_cases.check_topk(case, inputs, job.outputs)
+    elif isinstance(case, LatentV2Case):
+        inputs, job = run_latent_v2(tsan_exe, case)
+        kernel_cases.check_latent_v2(case, inputs, job.outputs["out"])
     else:
         inputs, job = run_latent(tsan_exe, case)
         kernel_cases.check_latent(case, inputs, job.outputs["out"], with_onnx=False)
@@ -278,6 +282,12 @@ PLANTED = [
     pytest.param(LA_SRC, "__half2float(src.scale[b * S + slot])", "__half2float(src.scale[slot])",
                  LatentV2Case("planted", 2, 4, 1, 100, 48, 16, kernel_cases.torch.float32, codes="random"),
                  id="latent-v2-scale-row-of-batch-0"),
+    pytest.param(LA_SRC, "a.latScale[b * a.cacheSlots + slot]", "a.latScale[slot]",
+                 LatentV2Case("planted", 2, 4, 1, 100, 48, 16, kernel_cases.torch.float16, codes="random"),
+                 id="latent-v2-mma-scale-row-of-batch-0"),
+    pytest.param(LA_SRC, "lat[r * a.ld + c] = zero;", "(void)zero;",
+                 LatentV2Case("planted", 1, 8, 1, 40, 64, 32, kernel_cases.torch.float16, new=False),
+                 id="latent-v2-mma-tile-padding-not-zeroed"),
     pytest.param(LA_SRC, "qPos[b * queries + slot - S]", "qPos[b * queries]",
                  LatentV2Case("planted", 2, 4, 5, 40, 64, 16, kernel_cases.torch.float32),
                  id="latent-v2-simt-new-row-positions"),
@@ -303,6 +313,17 @@ def test_planted_missing_syncthreads_found_by_tsan():
     case = LatentCase("planted-tsan", 1, 16, 1, 40, 512, 64, kernel_cases.torch.float16)
     with pytest.raises(CpuKernelError, match="ThreadSanitizer: data race"):
         run_latent(exe, case)
+
+
+def test_planted_missing_dequantize_barrier_found_by_tsan():
+    """The barrier between dequantizing a quantized tile in shared memory and its ldmatrix reads (the fiber
+    scheduling of the fast build runs every warp's share of the conversion before the first warp-collective
+    returns, so only ThreadSanitizer's one-thread-per-CUDA-thread build sees the race)."""
+    exe = cpu_kernels.build("tsan", plant=(LA_SRC, "__syncthreads(); // the dequantized rows visible to every warp",
+                                           "// (removed)"))
+    case = LatentV2Case("planted-tsan", 1, 16, 1, 40, 512, 64, kernel_cases.torch.float16, path="mma")  # 2 warps
+    with pytest.raises(CpuKernelError, match="ThreadSanitizer: data race"):
+        run_latent_v2(exe, case)
 
 
 def test_planted_static_shared_overrun_found_by_ubsan():
