@@ -29,8 +29,10 @@ LATENT_SHAPES = [  # (heads, R, Dr)
     (32, 512, 64), (128, 512, 64), (32, 128, 32), (128, 128, 32)]
 CONTEXTS = (4096, 16384, 32768, 65536)
 BATCHES = (1, 4, 16)
-EXTRA_LATENT = [  # (label, B, H, R, Dr, S, dtype)
-    ("bf16", 1, 128, 512, 64, 32768, "bfloat16"), ("fp32 (CUDA cores)", 1, 32, 128, 32, 16384, "float32")]
+EXTRA_LATENT = [  # (label, B, H, R, Dr, S, dtype[, latent_format: 1 int8 / 2 fp8 cache, op version 2])
+    ("bf16", 1, 128, 512, 64, 32768, "bfloat16"), ("fp32 (CUDA cores)", 1, 32, 128, 32, 16384, "float32"),
+    ("int8 cache", 1, 32, 512, 64, 32768, "float16", 1), ("fp8 cache", 1, 32, 512, 64, 32768, "float16", 2),
+    ("fp8 cache", 1, 128, 512, 64, 32768, "float16", 2), ("int8 cache", 16, 32, 512, 64, 32768, "float16", 1)]
 TOPK_SHAPES = [  # (label, B, H, S, k, Dk, Dv, dtype)
     ("MLA latent rows", 1, 1, 4096, 1024, 576, 0, "float16"),
     ("MLA latent rows", 1, 1, 32768, 8192, 576, 0, "float16"),
@@ -51,9 +53,12 @@ def latent_grid():
     yield from EXTRA_LATENT
 
 
-def must_bytes(B, H, R, Dr, S, es) -> int:
+def must_bytes(B, H, R, Dr, S, es, quantized: bool = False) -> int:
+    """Bytes one decode step must move: the cache (uint8 codes + an fp16 scale per row when quantized), positions,
+    queries, output."""
     D = R + Dr
-    return B * S * D * es + B * S * 8 + B * H * D * es + B * 8 + B * H * R * es
+    cache = B * S * (D + 2) if quantized else B * S * D * es
+    return cache + B * S * 8 + B * H * D * es + B * 8 + B * H * R * es
 
 
 # ------------------------------------------------------------------------------------------------- GPU timing
@@ -92,35 +97,47 @@ def timed(torch, fn, flush, iters: int) -> float:
 
 def bench_latent(torch, lib, timer, grid=None, device: str = "cuda") -> list[dict]:
     """Rows of the LatentAttention grid; ``timer(fn)`` -> seconds of one fn() (CUDA events on the GPU)."""
-    from kvexport.export.ops import latent_attention_reference
+    from kvexport.cache.formats import FORMATS
+    from kvexport.cache.quant import quantize
+    from kvexport.export.ops import LATENT_FORMATS, latent_attention_reference
     from tests.plugins.kernel_cases import LATENT_TOL
     from tests.plugins.kernels_lib import poisoned
 
     rows = []
-    for label, B, H, R, Dr, S, dname in grid if grid is not None else latent_grid():
+    for label, B, H, R, Dr, S, dname, *more in grid if grid is not None else latent_grid():
+        fmt = more[0] if more else 0
         dtype = getattr(torch, dname)
         es = torch.finfo(dtype).bits // 8
         D = R + Dr
         g = torch.Generator(device=device).manual_seed(S + H + B)
         q = (torch.randn(B, H, 1, D, device=device, generator=g) * 0.5).to(dtype)
         latent = torch.randn(B, S, D, device=device, generator=g).to(dtype)
+        lscale = None
+        if fmt:  # a quantized cache (op version 2): codes + fp16 row scales, dequantized in the kernel's load path
+            latent, lscale = quantize(latent.float(), FORMATS[LATENT_FORMATS[fmt]])
         lpos = torch.arange(S, device=device).expand(B, S).contiguous()
         qpos = torch.full((B, 1), S - 1, device=device)
         scale = 1 / math.sqrt(D)
         ws = torch.empty(lib.workspace_size(B, H, 1, S, D, R), dtype=torch.uint8, device=device)
         out = poisoned((B, H, 1, R), dtype, device)
-        plan = lib.plan(dtype, B, H, 1, S, D, R)
-        lib.latent_attention(q, latent, qpos, lpos, R, scale, workspace=ws, out=out)
+        plan = lib.plan(dtype, B, H, 1, S, D, R, latent_format=fmt)
+        if fmt:
+            call = functools.partial(lib.latent_attention_v2, q, latent, qpos, lpos, R, scale, latent_scale=lscale,
+                                     latent_format=fmt, workspace=ws, out=out)
+        else:
+            call = functools.partial(lib.latent_attention, q, latent, qpos, lpos, R, scale, workspace=ws, out=out)
+        call()
         err, ok = None, None
         if B == 1:  # the large sizes the kernel tests leave out: checked here against the reference
-            ref = latent_attention_reference(q, latent, qpos, lpos, R, scale).float()
+            ref = latent_attention_reference(q, latent, qpos, lpos, R, scale, latent_scale=lscale,
+                                             latent_format=fmt).float()
             err = (out.float() - ref).abs().max().item()
             ok = bool(torch.allclose(out.float(), ref, atol=LATENT_TOL[dtype], rtol=LATENT_TOL[dtype]))
-        sec = timer(functools.partial(lib.latent_attention, q, latent, qpos, lpos, R, scale, workspace=ws, out=out))
-        must = must_bytes(B, H, R, Dr, S, es)
+        sec = timer(call)
+        must = must_bytes(B, H, R, Dr, S, es, quantized=bool(fmt))
         rows.append(dict(label=label, batch=B, heads=H, rank=R, rope=Dr, context=S, dtype=dname, us=sec * 1e6,
                          must_bytes=must, achieved_gbs=must / sec / 1e9, max_abs_err=err, within_tol=ok, **plan))
-        print(f"latent B={B} H={H} R={R}+{Dr} S={S} {dname}: {sec * 1e6:.1f} us, {must / sec / 1e9:.0f} GB/s",
+        print(f"latent {label} B={B} H={H} R={R}+{Dr} S={S} {dname}: {sec * 1e6:.1f} us, {must / sec / 1e9:.0f} GB/s",
               flush=True)
     return rows
 
@@ -267,10 +284,10 @@ def one(lib_path: Path) -> int:
 def configs() -> int:
     print("| op | B | H | R+Dr | S | dtype | must MB |")
     print("|---|---|---|---|---|---|---|")
-    for label, B, H, R, Dr, S, dname in latent_grid():
+    for label, B, H, R, Dr, S, dname, *more in latent_grid():
         es = {"float16": 2, "bfloat16": 2, "float32": 4}[dname]
         print(f"| LatentAttention {label} | {B} | {H} | {R}+{Dr} | {S} | {dname} | "
-              f"{must_bytes(B, H, R, Dr, S, es) / 1e6:.1f} |")
+              f"{must_bytes(B, H, R, Dr, S, es, quantized=bool(more and more[0])) / 1e6:.1f} |")
     for label, B, H, S, k, _, _, dname in TOPK_SHAPES:
         print(f"| TopKGather {label} | {B} | {H} | k={k} | {S} | {dname} | - |")
     return 0

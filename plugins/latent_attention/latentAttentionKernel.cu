@@ -1399,12 +1399,23 @@ extern "C" KVX_API size_t kvx_latent_attention_workspace_size(
 extern "C" KVX_API int32_t kvx_latent_attention_plan(int32_t dataType, int32_t batch, int32_t heads, int32_t queries,
     int32_t slots, int32_t dim, int32_t rank, KvxDeviceInfo const* dev, int32_t* plan, double* bytes)
 {
+    return kvx_latent_attention_plan_v2(
+        dataType, kvexport::kLatentFormatNone, 0, batch, heads, queries, slots, dim, rank, dev, plan, bytes);
+}
+
+extern "C" KVX_API int32_t kvx_latent_attention_plan_v2(int32_t dataType, int32_t latentFormat, int32_t hasNewLatent,
+    int32_t batch, int32_t heads, int32_t queries, int32_t slots, int32_t dim, int32_t rank, KvxDeviceInfo const* dev,
+    int32_t* plan, double* bytes)
+{
     if (dev == nullptr || plan == nullptr || bytes == nullptr)
     {
         return static_cast<int32_t>(cudaErrorInvalidValue);
     }
+    // planning reads pointers only for their alignment and for whether new rows / scales are given
+    void const* const aligned = reinterpret_cast<void const*>(static_cast<uintptr_t>(256));
     kvexport::LatentAttentionParams p{dataType, nullptr, nullptr, nullptr, nullptr, batch, heads, queries, slots, dim,
-        rank, 1.0F, nullptr, nullptr, 0, kvexport::kLatentFormatNone, nullptr, nullptr};
+        rank, 1.0F, nullptr, nullptr, 0, latentFormat, latentFormat != kvexport::kLatentFormatNone ? aligned : nullptr,
+        hasNewLatent != 0 ? aligned : nullptr};
     kvexport::LatentAttentionPlan const r = kvexport::planLatentAttention(p, *dev);
     plan[0] = static_cast<int32_t>(r.path);
     plan[1] = r.rowsPerBlock;

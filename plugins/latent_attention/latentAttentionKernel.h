@@ -116,6 +116,12 @@ extern "C"
     KVX_API int32_t kvx_latent_attention_plan(int32_t dataType, int32_t batch, int32_t heads, int32_t queries,
         int32_t slots, int32_t dim, int32_t rank, KvxDeviceInfo const* dev, int32_t* plan, double* bytes);
 
+    //! As kvx_latent_attention_plan for an op-version-2 call: `latentFormat` 0 / 1 / 2, `hasNewLatent` 0 / 1 (the
+    //! new rows' pointer is taken as 256-byte aligned, like the others).
+    KVX_API int32_t kvx_latent_attention_plan_v2(int32_t dataType, int32_t latentFormat, int32_t hasNewLatent,
+        int32_t batch, int32_t heads, int32_t queries, int32_t slots, int32_t dim, int32_t rank,
+        KvxDeviceInfo const* dev, int32_t* plan, double* bytes);
+
     //! Queries the current device and prepares the kernels for it (prepareLatentAttention).
     KVX_API int32_t kvx_query_device(KvxDeviceInfo* dev);
 

@@ -113,6 +113,9 @@ class KernelsLib:
         lib.kvx_latent_attention_workspace_size.argtypes = [i32] * 6
         lib.kvx_latent_attention_plan.restype = i32
         lib.kvx_latent_attention_plan.argtypes = [*[i32] * 7, dev_p, ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_double)]
+        lib.kvx_latent_attention_plan_v2.restype = i32
+        lib.kvx_latent_attention_plan_v2.argtypes = [*[i32] * 9, dev_p, ctypes.POINTER(i32),
+                                                     ctypes.POINTER(ctypes.c_double)]
         lib.kvx_query_device.restype = i32
         lib.kvx_query_device.argtypes = [dev_p]
         self.lib = lib
@@ -154,11 +157,14 @@ class KernelsLib:
     def workspace_size(self, B: int, H: int, T: int, S: int, D: int, R: int) -> int:
         return int(self.lib.kvx_latent_attention_workspace_size(B, H, T, S, D, R))
 
-    def plan(self, dtype, B: int, H: int, T: int, S: int, D: int, R: int) -> dict:
-        """The launch plan of a LatentAttention call on this GPU (path, tile, splits, modelled bytes)."""
+    def plan(self, dtype, B: int, H: int, T: int, S: int, D: int, R: int, latent_format: int = 0,
+             new_latent: bool = False) -> dict:
+        """The launch plan of a LatentAttention call on this GPU (path, tile, splits, modelled bytes); op version 2:
+        ``latent_format`` 1 / 2 (quantized cache), ``new_latent`` (T new rows after the cache)."""
         p = (ctypes.c_int32 * 6)()
         b = (ctypes.c_double * 3)()
-        rc = self.lib.kvx_latent_attention_plan(DTYPE_CODES[dtype], B, H, T, S, D, R, ctypes.byref(self.device), p, b)
+        rc = self.lib.kvx_latent_attention_plan_v2(DTYPE_CODES[dtype], int(latent_format), int(new_latent), B, H, T, S,
+                                                   D, R, ctypes.byref(self.device), p, b)
         if rc != 0:
             raise RuntimeError(f"kvx_latent_attention_plan failed with cudaError {rc}")
         return dict(path=("simt", "mma")[p[0]], rows_per_block=p[1], tile_slots=p[2], threads=p[3], splits=p[4],

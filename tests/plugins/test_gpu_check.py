@@ -34,7 +34,7 @@ def test_dry_mode_runs_end_to_end(tmp_path):
     assert steps["imports"]["status"] == "ok" and steps["environment"]["status"] == "ok"
     n_rows = sum(1 for _ in gpu_check.latent_grid()) + len(gpu_check.TOPK_SHAPES)
     assert f"{n_rows} benchmark rows planned" in steps["imports"]["detail"]
-    n_tests = len(gpu_tests.TOPK_CASES) + len(gpu_tests.LATENT_CASES) + 2
+    n_tests = len(gpu_tests.TOPK_CASES) + len(gpu_tests.LATENT_CASES) + len(gpu_tests.LATENT_V2_CASES) + 2
     assert steps["tests"]["detail"] == f"dry run: {n_tests} GPU kernel tests collected"
     for name in ("build", "benchmark", "memcheck", "racecheck", "ncu"):
         assert steps[name]["status"] == "skipped" and steps[name]["detail"].startswith("dry run:"), steps[name]
@@ -76,9 +76,13 @@ def test_benchmark_rows_on_the_cpu_library():
         return time.perf_counter() - t
 
     latent = gpu_check.bench_latent(torch, lib, timer, grid=[("", 1, 8, 64, 32, 200, "float16"),
-                                                            ("", 2, 4, 48, 16, 90, "float32")], device="cpu")
+                                                            ("", 2, 4, 48, 16, 90, "float32"),
+                                                            ("int8", 1, 8, 64, 32, 150, "float16", 1),
+                                                            ("fp8", 1, 4, 48, 16, 90, "float32", 2)], device="cpu")
     topk = gpu_check.bench_topk(torch, lib, timer, shapes=[("t", 1, 2, 3000, 500, 8, 0, "float16")], device="cpu")
-    assert [r["within_tol"] for r in latent] == [True, None]  # the reference check runs at batch 1
+    assert [r["within_tol"] for r in latent] == [True, None, True, True]  # the reference check runs at batch 1
     assert latent[0]["path"] == "mma" and latent[1]["path"] == "simt" and topk[0]["exact"]
+    assert latent[2]["path"] == "mma" and latent[3]["path"] == "simt"  # quantized caches: both paths
+    assert latent[2]["must_bytes"] == gpu_check.must_bytes(1, 8, 64, 32, 150, 2, quantized=True)
     assert latent[0]["must_bytes"] == gpu_check.must_bytes(1, 8, 64, 32, 200, 2)
     assert not gpu_check.wrong_results(dict(latent=latent, topk=topk))
