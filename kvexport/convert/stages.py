@@ -158,9 +158,12 @@ def stage_rewrite(st: ConvertState) -> str:
     from kvexport.mla.io import save_mla
     from kvexport.mla.rewrite import rewrite_to_mla
 
-    dec = rewrite_to_mla(st.decoder, mla_settings(st.cfg), progress=st.progress)
+    # the original is not read again (distill loads its teacher itself): the HF model, which shares the Decoder's
+    # tensors, is dropped first, and the Decoder is rewritten in place, each layer's GQA projections freed in turn
+    dec = st.decoder
+    release(st, "decoder", "hf")
+    dec = rewrite_to_mla(dec, mla_settings(st.cfg), progress=st.progress, inplace=True)
     st.mla_decoder = dec
-    release(st, "decoder", "hf")  # the original is not read again (distill loads its teacher itself)
     save_mla(dec, st.work / layout.MLA_DIR, tokenizer_dir=st.model_path, hf_config=_hf_config(st.model_path))
     ranks = [p.kv_rank for p in dec.mla_plans]
     st.notes["mla_ranks"] = ranks

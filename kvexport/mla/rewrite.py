@@ -27,6 +27,7 @@ the calibration queries and keys) plus the PCA residual of the latent.
 from __future__ import annotations
 
 import copy
+import gc
 
 import torch
 
@@ -186,10 +187,17 @@ def default_calibration(spec, device=None) -> torch.Tensor:
 
 @torch.no_grad()
 def rewrite_to_mla(model, settings: MLASettings, calibration_ids: torch.Tensor | None = None,
-                   progress=None) -> Decoder:
+                   progress=None, inplace: bool = False) -> Decoder:
     """A Decoder (or HF ``*ForCausalLM``) -> a new Decoder whose attention layers are :class:`MLAAttention`.
 
     calibration_ids (B, T): text for the statistics of every init (default: :func:`default_calibration`).
+    inplace: False (default) leaves ``model`` as it was and returns a deep copy (the whole model, embeddings and
+    MLPs included, is held twice for a while); True rewrites ``model``'s Decoder itself, one layer at a time,
+    each GQA attention (its q/k/v/o projections) dropped as soon as its MLA replacement is in place, so the peak is
+    the model plus one layer's factorisation. The calibration inputs of every layer are computed from the original
+    model first (activations, B·T·H floats a layer). With an HF model, in place means the Decoder that shares its
+    tensors: the HF model keeps its own references, so a caller that wants the memory back drops it too (as
+    ``kvexport convert`` does before its rewrite).
     progress: called with ``"rewrite: layer i/L"`` before each layer's factorisation (convert shows it with an ETA).
     Raises :class:`~kvexport.errors.BadUsage` for settings the model cannot take, :class:`BadModel` for a
     model that is not a kvexport GQA decoder with RoPE, or whose layers use a sliding window (MLA attention
@@ -212,18 +220,27 @@ def rewrite_to_mla(model, settings: MLASettings, calibration_ids: torch.Tensor |
     if calibration_ids is None:
         calibration_ids = default_calibration(spec)
     xs = calibration_inputs(dec, calibration_ids.to(p.device))
-    new = copy.deepcopy(dec)
+    new = dec if inplace else copy.deepcopy(dec)
+    del p  # no reference to a parameter survives the loop (in place, the first layer's q_proj would)
+    param = next(new.parameters())
+    dtype, device = param.dtype, param.device
+    del param
     plans = []
     for i, layer in enumerate(new.layers):
         if progress is not None:
             progress(f"rewrite: layer {i + 1}/{len(new.layers)}")
         plan, weights = plan_layer(dec.layers[i].self_attn, settings, xs[i])
+        xs[i] = None  # type: ignore[call-overload]  # this layer's activations are not read again
         attn = MLAAttention(spec, plan, dec.rotary, absorb=settings.absorb)
-        state = {k: v.to(p.dtype) for k, v in weights.items()}
+        state = {k: v.to(dtype) for k, v in weights.items()}
+        del weights
         state.update({k: v for k, v in attn.state_dict().items() if k.endswith("inv_freq")})
         attn.load_state_dict(state, strict=True)
-        layer.self_attn = attn.to(device=p.device, dtype=p.dtype)
+        del state
+        layer.self_attn = attn.to(device=device, dtype=dtype)  # in place: the GQA projections lose their last reference
         plans.append(plan)
+        if inplace:
+            gc.collect()
     if not isinstance(model, Decoder):
         import json
 
