@@ -84,9 +84,18 @@ PLUGIN_IO = {
         outputs=(("out", "=q"),),
         int_attrs={"rank": (1, 512)}, float_attrs=("scale",)),
 }
-#: op-version-2 inputs / attributes no plugin implements yet (a LatentAttention over a quantized latent and this
-#: step's rows: plugin_version "2"; the exporter writes version-1 nodes, dequantizing before them)
-PLUGIN_PENDING = {"LatentAttention": ("new_latent", "latent_scale", "latent_format")}
+#: plugin_version "2" signatures (op version 2): a LatentAttention over this step's rows (``new_latent``) and / or a
+#: quantized latent (uint8 codes, float16 ``latent_scale``, ``latent_format`` 1 int8 / 2 fp8); a float cache takes
+#: 4 or 5 inputs, a quantized one all 6 (plugins/latent_attention/README.md). The exporter writes version-1 nodes,
+#: dequantizing before them; a version-2 node is checked against this.
+PLUGIN_IO_V2 = {
+    "LatentAttention": PluginIO(
+        inputs=(("q", _FLOATS), ("latent", ("=q", "u8")), ("q_positions", ("i64",)), ("latent_positions", ("i64",)),
+                ("new_latent", "=q"), ("latent_scale", ("f16",))),
+        outputs=(("out", "=q"),),
+        int_attrs={"rank": (1, 512)}, float_attrs=("scale",), version="2", optional=2,
+        optional_int_attrs={"latent_format": (0, 2)}),
+}
 #: LatentAttention's largest latent width R + Dr (plugins/latent_attention/latentAttentionKernel.h)
 LATENT_MAX_DIM = 1024
 
@@ -336,11 +345,19 @@ def _check_plugin(node, g: _Graph) -> list[str]:
         return [f"no kvexport plugin is named {node.op_type} (plugins: {', '.join(PLUGIN_IO)})"]
     bad = []
     attrs = _attrs(node)
-    pending = PLUGIN_PENDING.get(node.op_type, ())
-    if pending and (len(node.input) > len(io.inputs) or attrs.get("latent_format", 0)):
-        return [f"{node.op_type} with {' / '.join(pending)} (op version 2, plugin_version \"2\") has no TensorRT "
-                "plugin yet: the kernels' quantized load path is not written (docs/quantized.md); export with the "
-                "float LatentAttention (the exporter's default)"]
+    v2 = PLUGIN_IO_V2.get(node.op_type)
+    if v2 is not None and (attrs.get("plugin_version") == v2.version or len(node.input) > len(io.inputs)
+                           or "latent_format" in attrs):
+        io = v2
+        fmt = attrs.get("latent_format", 0)
+        if fmt and len(node.input) != len(io.inputs):
+            bad.append(f"latent_format {fmt} (a quantized latent) needs all {len(io.inputs)} inputs "
+                       f"({', '.join(n for n, _ in io.inputs)}), the node has {len(node.input)}")
+        if len(node.input) > 1:
+            t = g.type(node.input[1])
+            if t is not None and (t == "u8") != bool(fmt):
+                bad.append(f"input latent ({node.input[1]}) is {t}: uint8 codes go with latent_format 1 / 2, a float "
+                           "latent with latent_format 0")
     for key, want in (("plugin_namespace", "kvexport"), ("plugin_version", io.version)):
         if key in attrs and attrs[key] != want:
             bad.append(f"{key} = {attrs[key]!r}, the plugin library registers {want!r}")

@@ -173,3 +173,35 @@ def test_matrices_cover_the_oldest_and_newest_release():
         m = op_support.matrix(v)
         assert m.opset[0] <= 18 <= m.opset[1] and {"MatMul", "Softmax", "TopK", "Gather"} <= set(m.ops)
     assert "Attention" in op_support.matrix("11.1").ops and "Attention" not in op_support.matrix("10.3").ops
+
+
+def _latent_model(latent_type, n_inputs: int, latent_format: int):
+    """One LatentAttention node: q fp16 (1, 2, 1, 12), latent (1, 8, 12) of ``latent_type``, then the first
+    ``n_inputs`` of (q_positions, latent_positions, new_latent, latent_scale)."""
+    from kvexport.export import ops
+
+    vi = helper.make_tensor_value_info
+    decl = [vi("q", TensorProto.FLOAT16, [1, 2, 1, 12]), vi("latent", latent_type, [1, 8, 12]),
+            vi("qp", TensorProto.INT64, [1, 1]), vi("lp", TensorProto.INT64, [1, 8]),
+            vi("new", TensorProto.FLOAT16, [1, 1, 12]), vi("scale", TensorProto.FLOAT16, [1, 8])][:n_inputs]
+    node = ops.make_node("LatentAttention", [d.name for d in decl], ["out"], name="planted_latent", rank=8,
+                         scale=0.25, **({"latent_format": latent_format} if latent_format else {}))
+    g = helper.make_graph([node], "g", decl, [vi("out", TensorProto.FLOAT16, [1, 2, 1, 8])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", ops.OPSET),
+                                               helper.make_opsetid(ops.DOMAIN, ops.OP_VERSION)])
+
+
+def test_latent_attention_version_2_signatures():
+    """plugin_version "2" nodes (plugins/latent_attention: this step's rows, a quantized latent) pass; a quantized
+    latent without its scales, or codes typed as floats, are named."""
+    assert check_model(_latent_model(TensorProto.FLOAT16, 4, 0)).ok  # version 1
+    assert check_model(_latent_model(TensorProto.FLOAT16, 5, 0)).ok  # float cache + new_latent
+    for fmt in (1, 2):  # int8 / fp8 codes + new_latent + latent_scale
+        report = check_model(_latent_model(TensorProto.UINT8, 6, fmt))
+        assert report.ok, [p.reason for p in report.problems]
+    no_scale = {p.reason for p in check_model(_latent_model(TensorProto.UINT8, 5, 1)).problems}
+    assert any("latent_format 1 (a quantized latent) needs all 6 inputs" in r for r in no_scale), no_scale
+    float_codes = {p.reason for p in check_model(_latent_model(TensorProto.FLOAT16, 6, 1)).problems}
+    assert any("uint8 codes go with latent_format 1 / 2" in r for r in float_codes), float_codes
+    bad_fmt = {p.reason for p in check_model(_latent_model(TensorProto.UINT8, 6, 3)).problems}
+    assert any("latent_format = 3 must be an integer in [0, 2]" in r for r in bad_fmt), bad_fmt
