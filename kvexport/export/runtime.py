@@ -98,7 +98,8 @@ class OrtGenerator:
         self._ort = ort
         graphs = {name: g for name, g in s["graphs"].items() if isinstance(g, dict) and "file" in g}
         opts = {name: so for name in graphs}
-        self._shared: dict = {}
+        self._shared: dict = {}  # (file, offset, length, type, dims) -> (memory-mapped array, OrtValue over it)
+        self._maps: dict = {}  # weights file -> its read-only np.memmap; alive as long as the sessions
         if share_weights and self.device == "cpu" and len(graphs) > 1:
             opts = self._share_initializers(graphs, threads)
         self.sessions = {name: ort.InferenceSession(str(self.path / g["file"]), opts[name], providers=providers)
@@ -117,13 +118,26 @@ class OrtGenerator:
             self._alloc()
         self.reset()
 
+    def close(self) -> None:
+        """Drop the sessions, then the shared initializers and the weights file's maps (in that order: the
+        sessions read the maps' pages). The generator is not usable afterwards; without a call, garbage
+        collection does the same."""
+        self.sessions = {}
+        self._shared.clear()
+        for m in self._maps.values():
+            m._mmap.close()  # type: ignore[attr-defined]
+        self._maps.clear()
+
     def _share_initializers(self, graphs: dict, threads: int | None) -> dict:
-        """One copy in memory of every weight for all graphs of the export (CPU).
+        """One copy in memory of every weight for all graphs of the export (CPU), and that copy the file's.
 
         The graphs share one weights file on disk (each tensor once, by offset; kvexport.export.exporter);
-        loaded as they are, onnxruntime would still keep one copy per session. Each stored tensor is read once
-        and handed to every session that uses it with ``SessionOptions.add_initializer``; weight prepacking is
-        disabled for those sessions, since it would make a packed copy per session again.
+        loaded as they are, onnxruntime would still keep one copy per session. The weights file is memory-mapped
+        read-only once (``np.memmap``); each stored tensor is a view of that map, wrapped in an OrtValue without a
+        copy, and handed to every session that uses it with ``SessionOptions.add_initializer`` (onnxruntime uses a
+        user initializer's buffer as it is), so the weights are file-backed pages the kernel can drop, not
+        anonymous memory. Weight prepacking is disabled for those sessions, since it would make a packed copy per
+        session again. The maps and OrtValues live in ``self._maps`` / ``self._shared`` as long as the generator.
         """
         import onnx
 
@@ -145,8 +159,11 @@ class OrtGenerator:
                     info = {e.key: e.value for e in t.external_data}
                     key = (info["location"], int(info.get("offset", 0)), int(info["length"]), t.data_type, tuple(t.dims))
                     if key not in self._shared:
-                        raw = np.fromfile(self.path / info["location"], dtype=np.uint8, count=int(info["length"]),
-                                          offset=int(info.get("offset", 0)))
+                        loc = info["location"]
+                        if loc not in self._maps:  # the whole file, read-only: its pages belong to the page cache
+                            self._maps[loc] = np.memmap(self.path / loc, dtype=np.uint8, mode="r")
+                        off = int(info.get("offset", 0))
+                        raw = self._maps[loc][off : off + int(info["length"])]
                         arr = raw.view(np_types[t.data_type]).reshape(list(t.dims))
                         self._shared[key] = (arr, self._ort.OrtValue.ortvalue_from_numpy(arr))
                     so.add_initializer(t.name, self._shared[key][1])
