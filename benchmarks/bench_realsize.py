@@ -147,6 +147,9 @@ def _child(a: argparse.Namespace) -> int:
                     prof.dump_stats(str(Path(a.out) / f"{a.shape}-{_name}.pstats"))
                 measured[_name] = {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
                                    "peak_rss": _status_kb("VmHWM") * 1024, "end_rss": _status_kb("VmRSS") * 1024}
+                if a.stage_log:  # each stage as it ends: a run cut short still tells its finished stages' peaks
+                    with open(a.stage_log, "a") as fh:
+                        fh.write(json.dumps({"shape": a.shape, "stage": _name, **measured[_name]}) + "\n")
 
         setattr(st_mod, f"stage_{name}", wrapped)
     flags = dict(model=a.model, contexts=a.contexts, seed=0)
@@ -198,6 +201,8 @@ def run_shape(s: RealShape, a: argparse.Namespace, log) -> dict:
         cmd.append("--no-fidelity")
     for c in a.cprofile:
         cmd += ["--cprofile", c]
+    if a.stage_log:
+        cmd += ["--stage-log", str(Path(a.stage_log).resolve())]
     log(f"{s.name}: converting {model} ({weights / 1e9:.2f} GB of weights)")
     load0 = os.getloadavg()
     t0 = time.perf_counter()
@@ -304,6 +309,7 @@ def parse(argv):
                     "realsize.json (run the shapes one at a time into one table)")
     ap.add_argument("--keep", action="store_true", help="keep each conversion directory under --cache/runs")
     ap.add_argument("--cprofile", action="append", default=[], choices=STAGES, help="cProfile this stage")
+    ap.add_argument("--stage-log", help="append one JSON line per finished stage to this file (as it ends)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
