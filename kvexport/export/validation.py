@@ -358,6 +358,9 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     fidelity: also compare with the original model (``original``: its HF directory; default: the one the
     manifest names) on ``eval_data`` (a text file; default: the bundled held-out text); ``fidelity_settings``:
     a :class:`~kvexport.export.fidelity.FidelitySettings`. ``min_agreement`` / ``max_ppl_increase`` gate it.
+    A quantized export's reference is the PyTorch cache in the export's ``kv_dtype``; with fidelity on, a lossy
+    format (:func:`~kvexport.export.twin.is_lossy`) also gets ``twin``: that cache against its fp32 twin
+    (:func:`twin_section`).
     progress: ``progress(message)`` at each sub-step.
     Raises :class:`ParityFailure` (exit 6) when ``raise_on_failure`` and a tolerance or a gate fails.
     """

@@ -1,0 +1,184 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Quantized caches (int8, fp8) against their fp32 twins on the trained reference student (issue 18).
+
+Configurations (PyTorch library path, :func:`kvexport.generation.generate`):
+
+- ``mla+press``: the student rewritten to MLA with convert's default settings (``default_mla_rank`` /
+  ``default_rope_dim``: r_kv 32 + d_rope 32, SVD/PCA rewrite, not distilled) and a press with a token budget;
+- ``press``: eviction only (no MLA), the same press;
+- ``mla``: (diagnostic) MLA with a full cache (no eviction): the quantization error alone, without eviction
+  decisions that diverge.
+
+For each and each quantized format: next-token agreement with the fp32-cache twin over ``--windows`` held-out
+windows (:func:`kvexport.eval.data.heldout_windows`) of ``--context`` tokens, teacher-forced ``--steps`` steps
+(:func:`kvexport.export.twin.twin_compare`), and the recall tasks of the studies' task set
+(:mod:`kvexport.eval.tasks`: code_recall, passkey, span_recall, exact match, greedy) with the fp32 and the
+quantized cache. Targets: agreement >= 98 %, recall within 5 points of fp32.
+
+    python benchmarks/bench_quantized.py [--context 4096] [--windows 8] [--steps 64] [--recall 192:32 192:32:64 1400:8]
+        [--out docs/quantized_results.json]
+
+At the defaults it runs in about 6-9 minutes on 2 shared CPU cores (16k contexts would take about 4x as long).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def build(mla: bool):
+    from kvexport.convert.config import default_mla_rank, default_rope_dim
+    from kvexport.mla.config import MLASettings, max_kv_rank
+    from kvexport.models.loading import load_decoder, load_tokenizer
+
+    path = ROOT / "models" / "kvx-student"
+    dec, _ = load_decoder(path, "fp32")
+    tok = load_tokenizer(path)
+    info = {"model": "models/kvx-student", "mla": None}
+    if mla:
+        from kvexport.mla.rewrite import rewrite_to_mla
+
+        sp = dec.spec
+        rope = default_rope_dim(sp.head_dim)
+        rank = default_mla_rank(sp.num_kv_heads, sp.head_dim, rope,
+                                max_rank=max_kv_rank(sp.hidden_size, sp.num_kv_heads, sp.head_dim, rope))
+        dec = rewrite_to_mla(dec, MLASettings(kv_rank=rank, rope_dim=rope))
+        info["mla"] = {"kv_rank": rank, "rope_dim": rope, "distilled": False}
+    return dec.eval(), tok, info
+
+
+def recall(dec, tok, press_factory, window: int, chunk: int, kv_dtypes, n: int, context: int, batch: int) -> dict:
+    """Exact-match rate of the studies' recall tasks with each cache format (same examples for all)."""
+    from kvexport.eval.tasks import TaskSettings, prediction, recall_examples
+    from kvexport.generation import generate
+
+    ts = TaskSettings(context_len=context, n_recall=n, seed=0)
+    tasks = recall_examples(tok, ts)
+    out: dict = {"context_tokens": context, "examples_per_task": n}
+    for name, ex in tasks.items():
+        new = max(len(e.answer_ids) if e.answer_ids else len(tok(" " + e.answer)["input_ids"]) + 1 for e in ex)
+        row = {}
+        for kvd in kv_dtypes:
+            hits = 0
+            for s in range(0, len(ex), batch):
+                part = ex[s : s + batch]
+                ids = torch.tensor([e.prompt for e in part], dtype=torch.long)
+                res = generate(dec, ids, press=press_factory(), window=window, chunk=chunk, max_new_tokens=new,
+                               kv_dtype=kvd)
+                hits += sum(prediction(tok, e, r) == e.answer for e, r in zip(part, res.tokens.tolist(), strict=True))
+            row[kvd] = hits / len(ex)
+        out[name] = row
+    for kvd in kv_dtypes:
+        out.setdefault("mean", {})[kvd] = sum(out[k][kvd] for k in tasks) / len(tasks)
+    return out
+
+
+@torch.no_grad()
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--windows", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--press", default="expected_attention")
+    ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--chunk", type=int, default=128)
+    ap.add_argument("--recall", nargs="*", default=["192:32", "192:32:64", "1400:8"],
+                    metavar="CONTEXT:EXAMPLES[:BUDGET]",
+                    help="recall runs: context length, examples per task and optionally the press budget (default "
+                         "--budget; the studies' task set: 192:32, where budget 1024 evicts nothing; 192:32:64 "
+                         "evicts two thirds; code_recall's filler fits up to ~1400 tokens); none: skip")
+    ap.add_argument("--configs", nargs="+", default=["mla+press", "press", "mla"])
+    ap.add_argument("--recall-configs", nargs="+", default=["mla+press", "press"])
+    ap.add_argument("--out", default=str(ROOT / "docs" / "quantized_results.json"))
+    args = ap.parse_args(argv)
+
+    from kvexport.atomic import atomic_write_bytes
+    from kvexport.eval.data import heldout_windows
+    from kvexport.export.twin import twin_compare_many
+    from kvexport.presses import make_press
+
+    torch.manual_seed(0)
+    formats = {"mla+press": ("int8", "fp8"), "press": ("int8",), "mla": ("int8",)}
+    results: dict = {"settings": {k.replace("_", "-"): v for k, v in vars(args).items() if k != "out"},
+                     "threads": torch.get_num_threads(), "configs": {}}
+    t_all = time.perf_counter()
+    for cfg in args.configs:
+        dec, tok, info = build(cfg.startswith("mla"))
+        wins = heldout_windows(tok, args.windows, args.context + args.steps + 1)
+        if wins.shape[0] < args.windows:
+            raise SystemExit(f"only {wins.shape[0]} held-out windows of {args.context} tokens")
+
+        def press_factory():
+            return make_press(args.press, budget=args.budget)
+
+        evicts = cfg != "mla"
+        factory = press_factory if evicts else None
+
+        entry: dict = {**info, "press": args.press if evicts else None, "budget": args.budget if evicts else None,
+                       "window": args.window if evicts else None, "chunk": args.chunk, "twin": {}}
+        t0 = time.perf_counter()
+        entry["twin"] = twin_compare_many(dec, wins, args.context, args.steps, formats[cfg], factory,
+                                          window=args.window, chunk=args.chunk, batch=args.windows, progress=print,
+                                          capacity=None if evicts else args.context + args.steps)
+        entry["twin_seconds"] = round(time.perf_counter() - t0, 1)
+        for kvd, r in entry["twin"].items():
+            print(f"{cfg} {kvd}: agreement {r['next_token_agreement']:.4f} KL {r['mean_kl']:.2e} "
+                  f"max|dlogit| {r['max_abs_logit_diff']:.3f} kept equal {r['kept_agreement']} overlap {r['kept_overlap']} ({entry['twin_seconds']} s)",
+                  flush=True)
+        if cfg in args.recall_configs:
+            entry["recall"] = {}
+            for spec in args.recall:
+                ctx, n, *rest = (int(x) for x in spec.split(":"))
+                bud = rest[0] if rest else args.budget
+                t0 = time.perf_counter()
+                r = recall(dec, tok, (lambda b=bud: make_press(args.press, budget=b)) if evicts else (lambda: None),
+                           args.window, args.chunk, ("fp32", "int8"), n, ctx, batch=16)
+                r["seconds"] = round(time.perf_counter() - t0, 1)
+                r["budget"] = bud if evicts else None
+                entry["recall"][spec] = r
+                print(f"{cfg} recall at {ctx}: {r}", flush=True)
+        results["configs"][cfg] = entry
+    results["seconds"] = round(time.perf_counter() - t_all, 1)
+    try:
+        results["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    results["cpus"] = os.cpu_count()
+    print_table(results)
+    atomic_write_bytes(Path(args.out), (json.dumps(results, indent=2) + "\n").encode())
+    print(f"wrote {args.out}")
+
+
+def print_table(results: dict) -> None:
+    s = results["settings"]
+    print(f"\ncontext {s['context']}, {s['windows']} windows x {s['steps']} teacher-forced steps, "
+          f"{s['press']} budget {s['budget']} window {s['window']} chunk {s['chunk']}")
+    print(f"{'config':<10} {'cache':<5} {'agreement':>9} {'mean KL':>9} {'max|dl|':>8} {'kept eq':>8} {'overlap':>8} "
+          f"{'margin@miss':>11} {'bytes fp32':>11} {'bytes q':>9}")
+    for name, e in results["configs"].items():
+        for kvd, r in e["twin"].items():
+            kept = "-" if r["kept_agreement"] is None else f"{r['kept_agreement']:.3f}"
+            ov = "-" if r.get("kept_overlap") is None else f"{r['kept_overlap']:.4f}"
+            mm = r["fp32_margin"]["median_disagreeing"]
+            print(f"{name:<10} {kvd:<5} {100 * r['next_token_agreement']:8.2f}% {r['mean_kl']:9.2e} "
+                  f"{r['max_abs_logit_diff']:8.3f} {kept:>8} {ov:>8} {'-' if mm is None else f'{mm:.3f}':>11} "
+                  f"{r['cache_bytes']['fp32']:>11} {r['cache_bytes'][kvd]:>9}")
+        for rc in (e.get("recall") or {}).values():
+            for task in ("code_recall", "passkey", "span_recall", "mean"):
+                print(f"{name:<10} recall {task:<12} fp32 {100 * rc[task]['fp32']:5.1f}  int8 "
+                      f"{100 * rc[task]['int8']:5.1f}  (context {rc['context_tokens']}, budget {rc['budget']}, "
+                      f"{rc['examples_per_task']} examples)")
+
+
+if __name__ == "__main__":
+    main()
