@@ -120,8 +120,10 @@ def test_quantized_growing_past_is_refused(tiny_models, tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_version_2_latent_attention_is_flagged_for_tensorrt():
-    """A LatentAttention reading a quantized latent itself (op version 2) has no plugin yet: op_support names it."""
+@pytest.mark.parametrize("latent_type", ["uint8", "float"])
+def test_version_2_latent_attention_signature_is_checked_for_tensorrt(latent_type):
+    """A LatentAttention reading a quantized latent itself (op version 2): op_support accepts uint8 codes with
+    their float16 scales and names a node whose codes are typed as floats."""
     import onnx
     from onnx import TensorProto, helper
 
@@ -129,9 +131,10 @@ def test_version_2_latent_attention_is_flagged_for_tensorrt():
     from kvexport.tensorrt.op_support import check_model
 
     vi, F = helper.make_tensor_value_info, TensorProto.FLOAT
+    lt = TensorProto.UINT8 if latent_type == "uint8" else F
     node = ops.make_node("LatentAttention", ["q", "latent", "qp", "lp", "new", "ls"], ["out"], name="planted_la",
                          rank=4, scale=0.5, latent_format=1)
-    g = helper.make_graph([node], "g", [vi("q", F, [1, 2, 1, 6]), vi("latent", TensorProto.UINT8, [1, 5, 6]),
+    g = helper.make_graph([node], "g", [vi("q", F, [1, 2, 1, 6]), vi("latent", lt, [1, 5, 6]),
                                         vi("qp", TensorProto.INT64, [1, 1]), vi("lp", TensorProto.INT64, [1, 5]),
                                         vi("new", F, [1, 1, 6]), vi("ls", TensorProto.FLOAT16, [1, 5])],
                           [vi("out", F, [1, 2, 1, 4])])
@@ -139,10 +142,13 @@ def test_version_2_latent_attention_is_flagged_for_tensorrt():
                                             helper.make_opsetid(ops.DOMAIN, ops.OP_VERSION)])
     m.functions.extend(ops.function_protos(m))
     ops.register_schemas()
-    onnx.checker.check_model(m, full_check=True)
     problems = check_model(m).problems
-    assert problems and {p.node for p in problems} == {"planted_la"}
-    assert all("no TensorRT plugin yet" in p.reason for p in problems)
+    if latent_type == "uint8":
+        onnx.checker.check_model(m, full_check=True)
+        assert problems == []
+    else:
+        assert problems and {p.node for p in problems} == {"planted_la"}
+        assert all("uint8 codes go with latent_format 1 / 2" in p.reason for p in problems)
 
 
 def test_validate_compares_a_quantized_export_with_the_same_format_and_reports_its_fp32_twin(tiny_models, tmp_path):
