@@ -170,24 +170,38 @@ def build_mla_decoder(cfg: dict[str, Any]):
 
 def load_mla(path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"):
     """Directory -> MLA :class:`~kvexport.models.decoder.Decoder` in eval mode (logits identical to the saved one)."""
-    from safetensors.torch import load_model
+    from safetensors.torch import load_file
 
     from kvexport.models.loading import DTYPES
 
     p = Path(path)
     cfg = read_mla_config(p)
     verify_mla_files(p)
-    dec = build_mla_decoder(cfg)
+    with torch.device("meta"):  # shapes only: the saved tensors become the parameters (one copy of the weights)
+        dec = build_mla_decoder(cfg)
     weights = p / "model.safetensors"
     if not weights.is_file():
         raise BadArtifact(f"{p} has no model.safetensors")
     try:
-        missing, unexpected = load_model(dec, str(weights), strict=False)
+        state = load_file(str(weights))
     except Exception as e:  # noqa: BLE001 - damaged or foreign weights
         raise BadArtifact(f"{weights} cannot be loaded: {str(e).splitlines()[0][:200]}") from None
-    if missing or unexpected:
-        raise BadArtifact(f"{weights} does not match its MLA config: missing {list(missing)[:3]}, "
+    tied = bool(cfg["spec"].get("tie_word_embeddings"))
+    if tied:  # saved once (safetensors drops the duplicate name of a shared tensor)
+        one = state.get("embed_tokens.weight", state.get("lm_head.weight"))
+        if one is not None:
+            state.setdefault("embed_tokens.weight", one)
+            state.setdefault("lm_head.weight", one)
+    try:
+        missing, unexpected = dec.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as e:  # a shape that does not match the config
+        raise BadArtifact(f"{weights} does not match its MLA config: {str(e).splitlines()[-1].strip()[:200]}") from None
+    left = [n for n, t in list(dec.named_parameters()) + list(dec.named_buffers()) if t.is_meta]
+    if missing or unexpected or left:
+        raise BadArtifact(f"{weights} does not match its MLA config: missing {list(missing or left)[:3]}, "
                           f"unexpected {list(unexpected)[:3]}")
+    if tied:
+        dec.lm_head.weight = dec.embed_tokens.weight  # one parameter, as the saved model had it
     td = DTYPES[dtype] if isinstance(dtype, str) else (dtype or getattr(torch, cfg.get("dtype", "float32")))
     dec.to(device=device, dtype=td)
     for m in dec.modules():  # RoPE frequencies stay fp32

@@ -153,3 +153,30 @@ def test_fidelity_finds_the_original_of_a_standalone_mla_export(tmp_path):
     assert find_original(tmp_path / "export", settings) == src.resolve()
     assert find_original(tmp_path / "export", {"source": str(src)}) == src.resolve()  # an HF source is the original
     assert find_original(tmp_path / "export", {"source": str(tmp_path / "nope")}) is None
+
+
+def test_load_mla_holds_the_weights_once(tmp_path):
+    """load_mla builds the decoder on the meta device and takes the saved tensors as its parameters: loading
+    grows the process by well under one copy of the weights (safetensors maps the file; the former
+    initialise-then-copy load grew by 2x: measured 1.98x on a 167 MB model, 0.20x now)."""
+    import subprocess
+    import sys
+
+    from kvexport.mla.config import MLASettings
+    from kvexport.mla.io import save_mla
+    from kvexport.mla.rewrite import rewrite_to_mla
+    from kvexport.models.tiny import tiny_model
+
+    hf = tiny_model("llama", vocab_size=32000, hidden_size=256, layers=2, heads=4, kv_heads=2, intermediate_size=512)
+    save_mla(rewrite_to_mla(hf, MLASettings(kv_rank=32, rope_dim=16)), tmp_path / "mla")
+    probe = (
+        "import resource, sys\n"
+        "from kvexport.mla.io import load_mla\n"
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        f"d = load_mla({str(tmp_path / 'mla')!r})\n"
+        "grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024\n"
+        "w = sum(p.numel() * p.element_size() for p in d.parameters())\n"
+        "print(grew / w)\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert float(r.stdout.strip().splitlines()[-1]) < 0.6
