@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from kvexport.export.fidelity import _log_softmax
+
 #: cache format -> the model dtypes whose K/V it stores exactly (nothing to compare with a twin)
 LOSSLESS_FOR = {"fp32": ("fp32", "fp16", "bf16"), "fp16": ("fp16",), "bf16": ("bf16",)}
 
@@ -36,27 +38,24 @@ def is_lossy(kv_dtype: str | None, model_dtype: str) -> bool:
     return model_dtype not in LOSSLESS_FOR.get(str(kv_dtype), ())
 
 
-def _stack_logits(res) -> np.ndarray:
-    """(B, T, V) float64: the logits at the last prompt token, then after each decode step."""
-    return np.stack([res.prompt_logits.float().cpu().numpy()]
-                    + [x.float().cpu().numpy() for x in res.step_logits], 1).astype(np.float64)
+def stacked_logits(res) -> np.ndarray:
+    """(B, T, V) float64 of a generation result (torch or NumPy): the logits at the last prompt token, then after
+    each decode step."""
+    return np.stack([_array(res.prompt_logits)] + [_array(x) for x in res.step_logits], 1).astype(np.float64)
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
-
-
-def _kept_equal(a, b) -> tuple[int, int, float]:
-    """(equal, compared, summed overlap |A ∩ B| / |A|) kept sets of two runs over every compaction, layer, row
-    and head."""
+def kept_sets(a, b) -> tuple[int, int, float]:
+    """Two runs' kept sets (``GenerationResult``-like: ``compaction_steps``, ``kept_positions`` per compaction and
+    layer (B, Hc, cap), torch or NumPy) -> (equal, compared, summed overlap |A ∩ B| / |A|) over every compaction,
+    layer, row and head; runs that compacted at different steps compare as one unequal set. Used by validation's
+    parity (export vs PyTorch) and by the twin (quantized vs fp32)."""
     eq = total = 0
     overlap = 0.0
     if list(a.compaction_steps) != list(b.compaction_steps):
         return 0, max(len(a.compaction_steps), len(b.compaction_steps), 1), 0.0
     for ka, kb in zip(a.kept_positions, b.kept_positions, strict=True):
         for x, y in zip(ka, kb, strict=True):  # per layer (B, Hc, cap)
-            x, y = x.cpu().numpy(), y.cpu().numpy()
+            x, y = _array(x), _array(y)
             for r in range(x.shape[0]):
                 for h in range(x.shape[1]):
                     u, v = x[r, h], y[r, h]
@@ -65,6 +64,10 @@ def _kept_equal(a, b) -> tuple[int, int, float]:
                     overlap += np.intersect1d(u, v).size / max(u.size, 1)
                     total += 1
     return eq, total, overlap
+
+
+def _array(x) -> np.ndarray:
+    return x.detach().float().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
 
 
 def twin_compare(decoder, windows, prefix: int, scored: int, kv_dtype: str, press_factory=None, window: int = 32,
@@ -101,7 +104,7 @@ class _Acc:
         self.bytes_q: dict[str, int] = {}
 
     def add(self, ref, got, T: int) -> None:
-        a, b = _stack_logits(ref)[:, :T], _stack_logits(got)[:, :T]
+        a, b = stacked_logits(ref)[:, :T], stacked_logits(got)[:, :T]
         la, lb = _log_softmax(a), _log_softmax(b)
         ok = a.argmax(-1) == b.argmax(-1)  # (B, T)
         self.windows += ok.shape[0]
@@ -116,7 +119,7 @@ class _Acc:
         self.bad_margins.append(margin[~ok])
         self.comp_equal += int(list(ref.compaction_steps) == list(got.compaction_steps)) * ok.shape[0]
         if self.track_kept:
-            e, t, o = _kept_equal(ref, got)
+            e, t, o = kept_sets(ref, got)
             self.kept_eq += e
             self.kept_total += t
             self.kept_overlap += o
@@ -174,4 +177,4 @@ def _run(decoder, windows, prefix, scored, kv_dtypes, press_factory, window, chu
     return accs
 
 
-__all__ = ["twin_compare", "twin_compare_many", "is_lossy"]
+__all__ = ["twin_compare", "twin_compare_many", "is_lossy", "kept_sets"]

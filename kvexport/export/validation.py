@@ -30,6 +30,7 @@ import numpy as np
 
 from kvexport.atomic import atomic_write_bytes
 from kvexport.errors import BadArtifact, BadUsage, ParityFailure
+from kvexport.export.twin import kept_sets, stacked_logits
 
 PARITY_FILE = "parity.json"
 #: default tolerances per export dtype: (atol, rtol) on logits, least greedy-token and kept-index agreement.
@@ -217,24 +218,6 @@ def make_batches(prompts, settings: dict, tokenizer, seed: int = 0) -> list[tupl
     return batches
 
 
-# ----------------------------------------------------------------------------- metrics
-def _kept_agreement(ref, cand) -> tuple[int, int]:
-    """(agreeing, compared) kept sets over every compaction, layer, row and head."""
-    agree = total = 0
-    if list(ref.compaction_steps) != list(cand.compaction_steps):
-        n = max(len(ref.compaction_steps), len(cand.compaction_steps))
-        return 0, max(n, 1)
-    for kr, ko in zip(ref.kept_positions, cand.kept_positions, strict=True):
-        for a, b in zip(kr, ko, strict=True):  # per layer (B, Hc, cap)
-            a, b = _np(a), _np(b)
-            for r in range(a.shape[0]):
-                for h in range(a.shape[1]):
-                    x, y = a[r, h], b[r, h]
-                    agree += int(np.array_equal(np.sort(x[x >= 0]), np.sort(y[y >= 0])))
-                    total += 1
-    return agree, total
-
-
 def load_reference_model(manifest: dict, model=None, root=None):
     """The PyTorch model of an export: ``model`` (HF dir / model / Decoder) or the manifest's source (its path
     relative to the export ``root`` first, then the absolute one), rewritten to MLA with the same settings, in
@@ -280,8 +263,7 @@ class _PairStats:
 
     def add(self, ref, cand, feed, poly_ok: bool, ties: int = 0) -> None:
         self.poly_ok = self.poly_ok and poly_ok
-        a = np.stack([_np(ref.prompt_logits)] + [_np(x) for x in ref.step_logits], 1).astype(np.float64)
-        b = np.stack([_np(cand.prompt_logits)] + [_np(x) for x in cand.step_logits], 1).astype(np.float64)
+        a, b = stacked_logits(ref), stacked_logits(cand)
         err = np.abs(a - b).max(axis=(0, 2))
         scale = np.abs(a).max(axis=(0, 2))
         self.abs += err.tolist()
@@ -289,7 +271,7 @@ class _PairStats:
         agree = b.argmax(-1) == a.argmax(-1)  # the greedy choice after every step, candidate vs reference
         self.tok_agree += int(agree.sum())
         self.tok_total += agree.size
-        ia, it = _kept_agreement(ref, cand)
+        ia, it, _ = kept_sets(ref, cand)
         self.idx_agree += ia
         self.idx_total += it
         self.ties += ties
