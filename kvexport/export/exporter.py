@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from kvexport.cache.plan import MIN_BUCKET
 from kvexport.errors import BadUsage
 from kvexport.export import graphs, ops
 from kvexport.export.manifest import ONNX_EXPORT as KIND
@@ -113,7 +114,7 @@ def resolve_decoder(model, dtype: str, mla_rank: int | None, rope_dim: int | Non
         if rope_dim is not None:
             kw["rope_dim"] = int(rope_dim)
         settings = MLASettings(**kw)
-        dec = rewrite_to_mla(dec, settings)
+        dec = rewrite_to_mla(dec, settings, inplace=path is not None)  # a Decoder we loaded: nobody else holds it
         rewritten = True
     elif rope_dim is not None:
         raise BadUsage("--rope-dim needs --mla-rank")
@@ -511,6 +512,9 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
     else:  # full static cache: capacity = --max-positions (default: the position range, at most 8192)
         budgets = [int(max_positions or min(limit, 8192))] * L
     window_eff = int(window) if p is not None else 0
+    # a full cache larger than the smallest bucket: the graphs take its capacity axis as a dynamic dimension and
+    # the runtime holds it in buckets (kvexport.cache.plan rule 7); static budgets keep fixed shapes
+    dynamic_capacity = p is None and not dynamic_cache and budgets[0] > MIN_BUCKET
     td = DTYPES[dtype]
     custom = opsel == "custom"
     settings: dict[str, Any] = {
@@ -518,6 +522,7 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
         "decode_batch": int(decode_batch) if decode_batch is not None else None,
         "window": window_eff, "budgets": budgets if p is not None else None,
         "capacities": [b + window_eff for b in budgets] if not dynamic_cache else None,
+        "dynamic_capacity": dynamic_capacity,
         "press": press_to_dict(p), "mla": mla, "dtype": dtype, "kv_dtype": kv_dtype, "ops": opsel,
         "opset": ops_mod.OPSET,
         "custom_domain": {ops_mod.DOMAIN: ops_mod.OP_VERSION} if custom else None,
@@ -536,7 +541,7 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
             files["model"] = _export_dynamic(dec, tmp, batch, td, custom)
         else:
             files.update(_export_static(dec, p, budgets, window_eff, batch, chunk, td, custom, tmp, say, decode_batch,
-                                        kv_dtype))
+                                        kv_dtype, dynamic_capacity))
         settings["graphs"] = files
         tok_src = Path(tokenizer_dir) if tokenizer_dir is not None else _tokenizer_source(model, src)
         if tok_src is not None:
@@ -565,32 +570,46 @@ def _io(model) -> dict[str, list[str]]:
     return {"inputs": [i.name for i in model.graph.input], "outputs": [o.name for o in model.graph.output]}
 
 
+def _capacity_axis(shapes: list[graphs.LayerShape]) -> tuple[list[graphs.LayerShape], Any]:
+    """A full cache's layer shapes at an example capacity, and ``dynamic_shapes`` for (input_ids, positions, *cache):
+    axis 2 of every cache tensor one dynamic dimension ``capacity`` in [2, capacity] (kvexport.cache.plan rule 7)."""
+    from torch.export import Dim
+
+    cap = shapes[0].capacity
+    axis = Dim("capacity", min=2, max=cap)
+    example = [dataclasses.replace(s, capacity=min(cap, MIN_BUCKET + 1)) for s in shapes]
+    n = sum(len(s.fields) for s in shapes)
+    return example, (None, None, tuple({2: axis} for _ in range(n)))  # forward(input_ids, positions, *cache)
+
+
 def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: Path, say,
-                   decode_batch: int | None = None, kv_dtype: str | None = None) -> dict[str, Any]:
+                   decode_batch: int | None = None, kv_dtype: str | None = None,
+                   dynamic_capacity: bool = False) -> dict[str, Any]:
     shapes = graphs.layer_shapes(dec, budgets, window, kv_dtype)
     L = len(shapes)
     wq = press is not None
     kv, new = graphs.kv_names(shapes), graphs.new_names(shapes, wq)
-    cache = kv_examples(shapes, batch, td)
+    traced, dyn = _capacity_axis(shapes) if dynamic_capacity else (shapes, None)
+    cache = kv_examples(traced, batch, td)
     n_graphs = (4 if wq else 2) + (decode_batch is not None)
     files: dict[str, Any] = {}
 
     weights = SharedWeights(tmp)
 
-    def export(name: str, module, args, inputs, outputs, k: int) -> None:
+    def export(name: str, module, args, inputs, outputs, k: int, dynamic=None) -> None:
         say(f"exporting {name}.onnx ({k}/{n_graphs})")
-        m, used = _export_graph(module.eval(), args, inputs, outputs, custom, weights)
+        m, used = _export_graph(module.eval(), args, inputs, outputs, custom, weights, dynamic_shapes=dynamic)
         files[name] = {"file": f"{name}.onnx", "external_data": weights.save(m, tmp / f"{name}.onnx", used), **_io(m)}
 
     ids = torch.zeros(batch, chunk, dtype=torch.long)
     pos = torch.arange(chunk).expand(batch, chunk).contiguous()
     prefill = graphs.PrefillChunk(dec, press, budgets, window, kv_dtype)
     new_prefill = graphs.new_names(shapes, wq, prefill.full_rows)
-    export("prefill", prefill, (ids, pos, *cache), ["input_ids", "positions"] + kv, ["logits"] + new_prefill, 1)
+    export("prefill", prefill, (ids, pos, *cache), ["input_ids", "positions"] + kv, ["logits"] + new_prefill, 1, dyn)
     ids1 = torch.zeros(batch, 1, dtype=torch.long)
     pos1 = torch.full((batch, 1), chunk, dtype=torch.long)
     export("decode", graphs.DecodeStep(dec, press, budgets, window, kv_dtype), (ids1, pos1, *cache),
-           ["input_ids", "positions"] + kv, ["logits"] + new, 2)
+           ["input_ids", "positions"] + kv, ["logits"] + new, 2, dyn)
     if wq:
         with torch.no_grad():
             chunk_rows = prefill(ids, pos, *cache)[1:]
@@ -605,7 +624,7 @@ def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: P
         N = int(decode_batch)
         export("decode_batch", graphs.DecodeStep(dec, press, budgets, window, kv_dtype),
                (torch.zeros(N, 1, dtype=torch.long), torch.full((N, 1), chunk, dtype=torch.long),
-                *kv_examples(shapes, N, td)), ["input_ids", "positions"] + kv, ["logits"] + new, n_graphs)
+                *kv_examples(traced, N, td)), ["input_ids", "positions"] + kv, ["logits"] + new, n_graphs, dyn)
     files["layers"] = [dataclasses.asdict(s) for s in shapes]
     return files
 

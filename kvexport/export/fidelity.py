@@ -119,107 +119,195 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
+class FidelityRun:
+    """The fidelity check in two halves that never share memory: :meth:`candidate` runs the export on every
+    window and recall prompt, :meth:`original` then loads the original model alone, runs it on the same inputs and
+    releases it, and :meth:`report` scores the two (the caller closes the export's sessions in between, so the
+    export's weights and the original's are never resident together)."""
+
+    def __init__(self, path, settings: dict, tokenizer, original=None, eval_data=None,
+                 fidelity: FidelitySettings | None = None, progress=None):
+        self.say = progress or (lambda msg: None)
+        self.st = st = fidelity or FidelitySettings()
+        self.s = settings
+        self.tokenizer = tokenizer
+        self.orig_dir = find_original(path, settings, original)
+        self.out: dict[str, Any] = {"reference": "original model (transformers, full cache)", "settings": asdict(st)}
+        if self.orig_dir is None:
+            self.out["skipped"] = ("the original model is unknown (the export's source is an MLA directory that "
+                                   "does not name it); pass --original DIR")
+            return
+        self.out["original"] = str(self.orig_dir)
+        vocab = _config_vocab(self.orig_dir)
+        if vocab is not None and vocab != int(settings["vocab_size"]):
+            raise BadArtifact(f"the original model {self.orig_dir} has {vocab} tokens, the export "
+                              f"{settings['vocab_size']}; pass the model it was converted from with --original")
+        self.P = st.prefix or default_prefix(settings, st.scored)
+        self.T = st.scored
+        stream, self.out["eval_data"] = eval_stream(tokenizer, eval_data, st.seed, int(settings["vocab_size"]),
+                                                    self.P + self.T + 1)
+        self.wins = _windows(stream, st.sequences, self.P + self.T + 1)
+        self.B = int(settings["batch"])
+        self.tasks, self.recall_skipped = _recall_tasks(tokenizer, self.P, st)
+        self.cand_logits: list[np.ndarray] = []
+        self.cand_recall: dict[str, list[list[int]]] = {}
+        self.orig_logits: list[np.ndarray] = []
+        self.orig_recall: dict[str, list[list[int]]] = {}
+
+    def _groups(self):
+        """(start, real, group) over the windows, each group filled to the export's static batch."""
+        for start in range(0, self.wins.shape[0], self.B):
+            group = self.wins[start : start + self.B]
+            while group.shape[0] < self.B:  # the export's static batch: repeat the last window, scored once
+                group = np.concatenate([group, group[-1:]])
+            yield start, min(self.B, self.wins.shape[0] - start), group
+
+    def candidate(self, gen) -> None:
+        """The export's logits on every window (prefill P, then T teacher-forced steps) and its greedy answers to
+        the recall prompts."""
+        self.out["candidate"] = f"{getattr(gen, 'backend', 'onnxruntime')}:{gen.providers[0]}"
+        if "skipped" in self.out:
+            return
+        P, T, B = self.P, self.T, self.B
+        for start, real, group in self._groups():
+            self.say(f"fidelity: text {start + 1}-{start + real}/{self.wins.shape[0]} ({P} + {T} tokens), export")
+            res = gen.generate(group[:, :P], np.ones((B, P), np.int64), T, forced_tokens=group[:, P : P + T],
+                               keep_logits=True, track_kept=False)
+            self.cand_logits.append(
+                np.stack([np.asarray(res.prompt_logits)] + [np.asarray(x) for x in res.step_logits], 1)[:real, :T])
+        for name, (examples, prompts, new) in self.tasks.items():
+            self.say(f"fidelity: recall probe {name} ({len(examples)} examples, {prompts.shape[1]} tokens), export")
+            got: list[list[int]] = []
+            for k in range(0, len(examples), B):
+                group = prompts[k : k + B]
+                real = group.shape[0]
+                if real < B:
+                    group = np.concatenate([group, np.repeat(group[-1:], B - real, 0)])
+                got += [list(map(int, row)) for row in gen.generate(group, np.ones_like(group), new,
+                                                                    track_kept=False).tokens[:real]]
+            self.cand_recall[name] = got
+
+    def original(self) -> None:
+        """The original model, loaded now in fp32 and released before returning: its logits on the same windows
+        and its greedy answers to the same recall prompts."""
+        if "skipped" in self.out:
+            return
+        import torch
+
+        from kvexport.models.loading import free_memory, load_hf_model
+
+        self.say("fidelity: loading the original model")
+        hf = load_hf_model(self.orig_dir, "fp32")
+        if int(hf.config.vocab_size) != int(self.s["vocab_size"]):
+            raise BadArtifact(f"the original model {self.orig_dir} has {hf.config.vocab_size} tokens, the export "
+                              f"{self.s['vocab_size']}; pass the model it was converted from with --original")
+        P, T = self.P, self.T
+        try:
+            for start, real, group in self._groups():
+                self.say(f"fidelity: text {start + 1}-{start + real}/{self.wins.shape[0]} ({P} + {T} tokens), "
+                         "original")
+                with torch.no_grad():
+                    lo = hf(torch.from_numpy(group[:real, : P + T])).logits[:, P - 1 : P + T - 1]
+                self.orig_logits.append(lo.float().numpy())
+            pad = getattr(self.tokenizer, "pad_token_id", None) or 0
+            for name, (examples, prompts, new) in self.tasks.items():
+                self.say(f"fidelity: recall probe {name} ({len(examples)} examples), original")
+                t = torch.from_numpy(prompts)
+                with torch.no_grad():
+                    go = hf.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=new, min_new_tokens=new,
+                                     do_sample=False, pad_token_id=pad)[:, prompts.shape[1]:]
+                self.orig_recall[name] = go.tolist()
+        finally:
+            hf = None  # noqa: F841
+            free_memory()
+
+    def report(self, min_agreement: float | None = None, max_ppl_increase: float | None = None) -> dict[str, Any]:
+        """The fidelity section of parity.json from both halves' outputs."""
+        out = dict(self.out)
+        if "skipped" not in out:
+            agree = n = 0
+            kl_sum = ce_o = ce_c = 0.0
+            for (_, real, group), lo, lc in zip(self._groups(), self.orig_logits, self.cand_logits, strict=True):
+                target = group[:real, self.P : self.P + self.T]
+                la, lb = _log_softmax(lo), _log_softmax(lc)
+                agree += int((la.argmax(-1) == lb.argmax(-1)).sum())
+                n += target.size
+                kl_sum += float((np.exp(la) * (la - lb)).sum(-1).sum())
+                ce_o -= float(np.take_along_axis(la, target[..., None], -1).sum())
+                ce_c -= float(np.take_along_axis(lb, target[..., None], -1).sum())
+            ppl_o, ppl_c = float(np.exp(ce_o / n)), float(np.exp(ce_c / n))
+            out.update({"prefix_tokens": self.P, "scored_tokens": int(n), "sequences": int(self.wins.shape[0]),
+                        "next_token_agreement": agree / n, "mean_kl": kl_sum / n, "ppl_original": ppl_o,
+                        "ppl_converted": ppl_c, "ppl_increase": ppl_c / ppl_o - 1.0})
+            out["recall"] = self._recall_report()
+        out["gates"] = _gates(out, min_agreement, max_ppl_increase)
+        return out
+
+    def _recall_report(self) -> dict[str, Any]:
+        if self.recall_skipped is not None:
+            return {"skipped": self.recall_skipped}
+        from kvexport.eval.tasks import prediction
+
+        out: dict[str, Any] = {"context_tokens": self.recall_context}
+        for name, (examples, _, _) in self.tasks.items():
+            hits_o = sum(prediction(self.tokenizer, e, g) == e.answer for e, g in zip(examples, self.orig_recall[name],
+                                                                                     strict=True))
+            hits_c = sum(prediction(self.tokenizer, e, g) == e.answer for e, g in zip(examples, self.cand_recall[name],
+                                                                                     strict=True))
+            out[name] = {"original": hits_o / len(examples), "converted": hits_c / len(examples),
+                         "examples": len(examples)}
+        return out
+
+    @property
+    def recall_context(self) -> int:
+        return max(48, self.P)
+
+
 def measure_fidelity(path, gen, tokenizer, original=None, eval_data=None, settings: FidelitySettings | None = None,
                      min_agreement: float | None = None, max_ppl_increase: float | None = None,
                      progress=None) -> dict[str, Any]:
-    """The fidelity section of parity.json for the export at ``path`` run by ``gen`` (a step generator)."""
-    import torch
-
-    from kvexport.models.loading import load_hf_model
-
-    say = progress or (lambda msg: None)
-    st = settings or FidelitySettings()
-    s = gen.settings
-    orig_dir = find_original(path, s, original)
-    out: dict[str, Any] = {"reference": "original model (transformers, full cache)",
-                           "candidate": f"{getattr(gen, 'backend', 'onnxruntime')}:{gen.providers[0]}",
-                           "settings": asdict(st)}
-    if orig_dir is None:
-        out["skipped"] = ("the original model is unknown (the export's source is an MLA directory that does not "
-                          "name it); pass --original DIR")
-        out["gates"] = _gates(out, min_agreement, max_ppl_increase)
-        return out
-    out["original"] = str(orig_dir)
-    hf = load_hf_model(orig_dir, "fp32")
-    if int(hf.config.vocab_size) != int(s["vocab_size"]):
-        raise BadArtifact(f"the original model {orig_dir} has {hf.config.vocab_size} tokens, the export "
-                          f"{s['vocab_size']}; pass the model it was converted from with --original")
-    P = st.prefix or default_prefix(s, st.scored)
-    T = st.scored
-    stream, desc = eval_stream(tokenizer, eval_data, st.seed, int(s["vocab_size"]), P + T + 1)
-    wins = _windows(stream, st.sequences, P + T + 1)
-    B = int(s["batch"])
-    agree = n = 0
-    kl_sum = ce_o = ce_c = 0.0
-    for start in range(0, wins.shape[0], B):
-        group = wins[start : start + B]
-        while group.shape[0] < B:  # the export's static batch: repeat the last window, scored once
-            group = np.concatenate([group, group[-1:]])
-        real = min(B, wins.shape[0] - start)
-        say(f"fidelity: text {start + 1}-{start + real}/{wins.shape[0]} ({P} + {T} tokens)")
-        with torch.no_grad():
-            lo = hf(torch.from_numpy(group[:real, : P + T])).logits[:, P - 1 : P + T - 1].float().numpy()
-        res = gen.generate(group[:, :P], np.ones((B, P), np.int64), T, forced_tokens=group[:, P : P + T],
-                           keep_logits=True, track_kept=False)
-        lc = np.stack([np.asarray(res.prompt_logits)] + [np.asarray(x) for x in res.step_logits], 1)[:real, :T]
-        target = group[:real, P : P + T]
-        la, lb = _log_softmax(lo), _log_softmax(lc)
-        agree += int((la.argmax(-1) == lb.argmax(-1)).sum())
-        n += target.size
-        kl_sum += float((np.exp(la) * (la - lb)).sum(-1).sum())
-        ce_o -= float(np.take_along_axis(la, target[..., None], -1).sum())
-        ce_c -= float(np.take_along_axis(lb, target[..., None], -1).sum())
-    ppl_o, ppl_c = float(np.exp(ce_o / n)), float(np.exp(ce_c / n))
-    out.update({"eval_data": desc, "prefix_tokens": P, "scored_tokens": int(n), "sequences": int(wins.shape[0]),
-                "next_token_agreement": agree / n, "mean_kl": kl_sum / n, "ppl_original": ppl_o,
-                "ppl_converted": ppl_c, "ppl_increase": ppl_c / ppl_o - 1.0})
-    out["recall"] = _recall(hf, gen, tokenizer, P, st, say)
-    out["gates"] = _gates(out, min_agreement, max_ppl_increase)
-    return out
+    """The fidelity section of parity.json for the export at ``path`` run by ``gen`` (a step generator), in one
+    call (:class:`FidelityRun`'s halves in turn, ``gen`` kept open; :func:`kvexport.export.validation.validate`
+    closes its sessions between them)."""
+    run = FidelityRun(path, gen.settings, tokenizer, original, eval_data, settings, progress)
+    run.candidate(gen)
+    run.original()
+    return run.report(min_agreement, max_ppl_increase)
 
 
-def _recall(hf, gen, tokenizer, context: int, st: FidelitySettings, say) -> dict[str, Any]:
-    """span_recall and passkey, greedy, original vs export, at ``context`` tokens."""
+def _config_vocab(model_dir: Path) -> int | None:
+    """config.json's vocab_size, read before anything is loaded (None where the file does not say)."""
+    import json
+
+    try:
+        v = json.loads((Path(model_dir) / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError):
+        return None
+    return int(v) if isinstance(v, int) else None
+
+
+def _recall_tasks(tokenizer, context: int, st: FidelitySettings):
+    """({task: (examples, prompts (N, context) int64, new tokens)}, None) for span_recall and passkey at
+    ``context`` tokens, or ({}, why the probe is skipped)."""
     if st.recall == 0:
-        return {"skipped": "recall probe off (recall=0)"}
+        return {}, "recall probe off (recall=0)"
     if tokenizer is None:
-        return {"skipped": "the export has no tokenizer; the recall probe builds its contexts from text"}
-    import torch
-
+        return {}, "the export has no tokenizer; the recall probe builds its contexts from text"
     from kvexport.eval.data import heldout_texts
-    from kvexport.eval.tasks import TaskSettings, passkey_examples, prediction, span_recall_examples
+    from kvexport.eval.tasks import TaskSettings, passkey_examples, span_recall_examples
 
     ts = TaskSettings(context_len=max(48, context), n_recall=st.recall, seed=st.seed)
     try:
         tasks = {"span_recall": span_recall_examples(tokenizer, ts, heldout_texts()),
                  "passkey": passkey_examples(tokenizer, ts)}
     except BadUsage as e:
-        return {"skipped": f"recall probe: {e}"}
-    B = int(gen.settings["batch"])
-    out: dict[str, Any] = {"context_tokens": ts.context_len}
+        return {}, f"recall probe: {e}"
+    out = {}
     for name, examples in tasks.items():
-        say(f"fidelity: recall probe {name} ({len(examples)} examples, {ts.context_len} tokens)")
         new = max(len(e.answer_ids) if e.answer_ids else len(tokenizer(" " + e.answer)["input_ids"]) + 1
                   for e in examples)
-        prompts = np.asarray([e.prompt for e in examples], np.int64)  # every context has the same length
-        with torch.no_grad():
-            go = hf.generate(torch.from_numpy(prompts), attention_mask=torch.ones_like(torch.from_numpy(prompts)),
-                             max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id or 0)[:, prompts.shape[1]:]
-        hits_o = hits_c = 0
-        for k in range(0, len(examples), B):
-            group = prompts[k : k + B]
-            real = group.shape[0]
-            if real < B:
-                group = np.concatenate([group, np.repeat(group[-1:], B - real, 0)])
-            got = gen.generate(group, np.ones_like(group), new, track_kept=False).tokens
-            for j in range(real):
-                e = examples[k + j]
-                hits_o += prediction(tokenizer, e, go[k + j].tolist()) == e.answer
-                hits_c += prediction(tokenizer, e, got[j].tolist()) == e.answer
-        out[name] = {"original": hits_o / len(examples), "converted": hits_c / len(examples),
-                     "examples": len(examples)}
-    return out
+        out[name] = (examples, np.asarray([e.prompt for e in examples], np.int64), new)  # one length per task
+    return out, None
 
 
 def _gates(f: dict, min_agreement, max_ppl_increase) -> dict[str, Any]:

@@ -96,12 +96,15 @@ def _make_runner(name: str, batch: int, produce):
 def _generator_runner(generator, name: str, batch: int, known: dict | None = None):
     """A Polygraphy runner around any step generator (OrtGenerator, TrtGenerator): teacher-forced generation.
     known: results already computed, by the bytes of (input_ids, attention_mask, forced tokens): a greedy run
-    forced with its own tokens is the same run, so it is reused instead of recomputed."""
+    forced with its own tokens is the same run, so it is reused instead of recomputed. ``generator`` None: every
+    feed must be in ``known`` (the generator's sessions were closed after computing them)."""
     known = known if known is not None else {}
 
     def produce(feed_dict):
         f = feed_dict["forced_tokens"]
         hit = known.get(_key(feed_dict["input_ids"], feed_dict["attention_mask"], f))
+        if hit is None and generator is None:
+            raise RuntimeError(f"{name}: no stored run for this feed and no generator to run it")
         return hit or generator.generate(feed_dict["input_ids"], feed_dict["attention_mask"], f.shape[1],
                                          forced_tokens=f, keep_logits=True)
 
@@ -218,6 +221,21 @@ def make_batches(prompts, settings: dict, tokenizer, seed: int = 0) -> list[tupl
     return batches
 
 
+def check_reference_source(manifest: dict, root=None) -> str:
+    """The export's source model as the manifest records it (relative to the export ``root`` first, then the
+    absolute path); one line when it is unknown or gone. Cheap: nothing is loaded."""
+    s = manifest["settings"]
+    src = s.get("source")
+    rel = s.get("source_relative")
+    if rel and root is not None and (Path(root) / rel).is_dir():
+        src = str((Path(root) / rel).resolve())
+    if src is None:
+        raise BadUsage("this export was made from an in-memory model; pass the model to validate")
+    if not Path(src).exists():
+        raise BadArtifact(f"the export's source model {src} no longer exists; pass the model explicitly")
+    return src
+
+
 def load_reference_model(manifest: dict, model=None, root=None):
     """The PyTorch model of an export: ``model`` (HF dir / model / Decoder) or the manifest's source (its path
     relative to the export ``root`` first, then the absolute one), rewritten to MLA with the same settings, in
@@ -225,14 +243,7 @@ def load_reference_model(manifest: dict, model=None, root=None):
     from kvexport.export.exporter import resolve_decoder
 
     s = manifest["settings"]
-    src = model if model is not None else s.get("source")
-    rel = s.get("source_relative")
-    if model is None and rel and root is not None and (Path(root) / rel).is_dir():
-        src = str((Path(root) / rel).resolve())
-    if src is None:
-        raise BadUsage("this export was made from an in-memory model; pass the model to validate")
-    if isinstance(src, str) and not Path(src).exists():
-        raise BadArtifact(f"the export's source model {src} no longer exists; pass the model explicitly")
+    src = model if model is not None else check_reference_source(manifest, root)
     mla = s.get("mla")
     rank = rope = None
     if mla is not None and mla.get("rewritten_by_export") and not _is_decoder_mla(src):
@@ -371,16 +382,18 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
         from kvexport.tensorrt.generator import TrtGenerator
 
         trt_generator = TrtGenerator(path, engines=engines)  # MissingBackend first when TensorRT / a GPU is absent
-    # memory: the PyTorch reference is loaded before the onnxruntime sessions (a loader may briefly hold two copies
-    # of the weights; not on top of the sessions'), and released before the original model is loaded for fidelity
+    # memory: one model at a time. The candidate's sessions run every prompt first (parity and fidelity) and are
+    # closed; then the PyTorch reference is loaded alone (parity, the fp32 twin) and released; then the original
+    # model alone (fidelity). The export's weights and a PyTorch model's are never resident together.
     manifest = candidate.manifest if candidate is not None else verify_manifest(path, KIND)
     s = manifest["settings"]
     d_atol, d_rtol, min_tok, min_idx = TOLERANCES[s["dtype"]]
     atol = d_atol if atol is None else float(atol)
     rtol = d_rtol if rtol is None else float(rtol)
     press = press_from_dict(s["press"])
-    say("loading the PyTorch reference")
-    decoder = load_reference_model(manifest, model, root=path)
+    if model is None:  # a missing or changed source fails now, not after the candidate's runs
+        check_reference_source(manifest, root=path)
+    say(f"opening the {'candidate' if candidate is not None else 'onnxruntime sessions'}")
     gen = candidate if candidate is not None else OrtGenerator(path, providers=providers)
     s = gen.settings
     tokenizer = None
@@ -394,8 +407,30 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     B = int(s["batch"])
     tie_rtol = TIE_RTOL.get(s["dtype"], 1e-5)
     cand_name = getattr(gen, "backend", "onnxruntime")
+    providers_used = list(gen.providers)
     known: dict = {}
-    cand_runner, ref_runner = make_runners(decoder, press, s, gen, B, cand_name, tie_rtol, known)
+    feeds = []
+    for k, (ids, mask) in enumerate(batches):
+        say(f"parity: prompt {k + 1}/{len(batches)} ({int(mask.sum(-1).max())} tokens), {cand_name}")
+        # the export decodes greedily; the reference is then fed the same tokens, step by step
+        free = gen.generate(ids, mask, int(steps) + 1, keep_logits=True)
+        forced = np.asarray(free.tokens, np.int64)
+        known[_key(ids, mask, forced)] = free
+        feeds.append(OrderedDict(input_ids=ids, attention_mask=mask, forced_tokens=forced))
+    fid = None
+    if fidelity:
+        from kvexport.export.fidelity import FidelityRun, FidelitySettings
+
+        fid = FidelityRun(path, s, tokenizer, original=original, eval_data=eval_data,
+                          fidelity=fidelity_settings or FidelitySettings(), progress=say)
+        fid.candidate(gen)
+    if candidate is None:  # ours: its runs are stored, its weights leave before the reference's arrive
+        gen.close()
+    gen = None
+    free_memory()
+    say("loading the PyTorch reference")
+    decoder = load_reference_model(manifest, model, root=path)
+    cand_runner, ref_runner = make_runners(decoder, press, s, None, B, cand_name, tie_rtol, known)
     runners = [cand_runner, ref_runner]
     names = {f"pytorch~{cand_name}": (1, 0)}
     if trt_generator is not None:
@@ -408,13 +443,9 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     old = G_LOGGER.module_severity
     G_LOGGER.module_severity = G_LOGGER.ERROR
     try:
-        for k, (ids, mask) in enumerate(batches):
-            say(f"parity: prompt {k + 1}/{len(batches)} ({int(mask.sum(-1).max())} tokens)")
-            # the export decodes greedily; the reference is then fed the same tokens, step by step
-            free = gen.generate(ids, mask, int(steps) + 1, keep_logits=True)
-            forced = np.asarray(free.tokens, np.int64)
-            known[_key(ids, mask, forced)] = free
-            feed = OrderedDict(input_ids=ids, attention_mask=mask, forced_tokens=forced)
+        for k, feed in enumerate(feeds):
+            say(f"parity: prompt {k + 1}/{len(feeds)} ({int(feed['attention_mask'].sum(-1).max())} tokens), "
+                "reference")
             results = Comparator.run(runners, data_loader=[feed])
             func = SimpleCompareFunc(atol=atol, rtol=rtol)
             for n, (i, j) in names.items():
@@ -430,7 +461,7 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     # the reference (and the runners holding it) are done: free them before fidelity loads the original model
     decoder = runners = cand_runner = ref_runner = known = trt_runner = trt_ref = None  # noqa: F841
     free_memory()
-    labels = {"onnxruntime": f"onnxruntime:{gen.providers[0]}", "tensorrt": "tensorrt", "pytorch": "pytorch"}
+    labels = {"onnxruntime": f"onnxruntime:{providers_used[0]}", "tensorrt": "tensorrt", "pytorch": "pytorch"}
     pairs = {}
     for n, st in stats.items():
         ref_name, c_name = n.split("~")
@@ -440,14 +471,9 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
               "settings": {k: s[k] for k in ("mode", "batch", "chunk", "window", "budgets", "press", "mla", "dtype",
                                              "ops")},
               "pairs": pairs}
-    if fidelity:
-        from kvexport.export.fidelity import FidelitySettings, measure_fidelity
-
-        say("fidelity: loading the original model")
-        report["fidelity"] = measure_fidelity(path, gen, tokenizer, original=original, eval_data=eval_data,
-                                              settings=fidelity_settings or FidelitySettings(),
-                                              min_agreement=min_agreement, max_ppl_increase=max_ppl_increase,
-                                              progress=say)
+    if fid is not None:
+        fid.original()
+        report["fidelity"] = fid.report(min_agreement, max_ppl_increase)
     if twin is not None:
         report["twin"] = twin
     if write:

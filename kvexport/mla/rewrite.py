@@ -38,6 +38,7 @@ from kvexport.mla.rank import energy_rank, truncated_svd
 from kvexport.mla.rope_plan import rope_plan
 from kvexport.models.attention import GQAAttention
 from kvexport.models.decoder import Decoder
+from kvexport.models.loading import drop_file_pages
 
 #: ridge added to the calibration second moment of u, relative to its mean diagonal
 RIDGE = 1e-6
@@ -237,6 +238,8 @@ def rewrite_to_mla(model, settings: MLASettings, calibration_ids: torch.Tensor |
         state.update({k: v for k, v in attn.state_dict().items() if k.endswith("inv_freq")})
         attn.load_state_dict(state, strict=True)
         del state
+        if inplace:  # the GQA projections are not read again: their checkpoint pages leave the RSS with them
+            drop_file_pages(list(layer.self_attn.parameters()))
         layer.self_attn = attn.to(device=device, dtype=dtype)  # in place: the GQA projections lose their last reference
         plans.append(plan)
         if inplace:
