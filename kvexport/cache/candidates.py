@@ -108,11 +108,13 @@ def keep_best(press, make_inputs, k, v, pos, queries, q_positions, fill, n_pad, 
             scores = press.score(make_inputs(ks, vs, ps, queries, q_positions)).float()
             back = torch.remainder(torch.arange(S, device=k.device) + o.shift, S)
             scores = scores.index_select(2, back)
-            pos = pos.index_select(2, o.kept)
-            if store is None:
-                k, v = k.index_select(2, o.kept), v.index_select(2, o.kept)
-            else:
-                store = [None if t is None else t.index_select(2, o.kept) for t in store]
+            if S > n_slots:  # with no new columns the candidate order is the raw layout: nothing to reorder (and a
+                # quantized cache's codes reach TopKGather as they are; TensorRT gathers no UINT8 itself)
+                pos = pos.index_select(2, o.kept)
+                if store is None:
+                    k, v = k.index_select(2, o.kept), v.index_select(2, o.kept)
+                else:
+                    store = [None if t is None else t.index_select(2, o.kept) for t in store]
         if store is not None:
             k, v = store[0], store[1]
         kk, kv, kp, idx = topk(scores, k, v, pos, budget)

@@ -94,7 +94,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, fmt: KVFormat, dtype: t
     if fmt.name == "int8":
         v = codes.float() - 128.0
     else:
-        v = FP8_VALUES.to(codes.device)[codes.long()]
+        v = FP8_VALUES.to(codes.device)[codes.float().long()]  # via float: TensorRT casts UINT8 to f32 / f16 only
     return (v * scale.float()[..., None]).to(dtype)
 
 

@@ -250,11 +250,19 @@ class CompactPrefill(_CacheGraph):
             stored = None
             if self.lossy:
                 new_stored = (r["k"], r["v"], r.get("ks"), r.get("vs"))
-                stored = tuple(None if a is None else torch.cat([a, b], dim=2)
+                stored = tuple(None if a is None else torch.cat([_carried(a), _carried(b)], dim=2)
                                for a, b in zip(self.stored(t), new_stored, strict=True))
-            out += self.keep(i, torch.cat([k0, kf], dim=2), torch.cat([v0, vf], dim=2),
+            kept = self.keep(i, torch.cat([k0, kf], dim=2), torch.cat([v0, vf], dim=2),
                              torch.cat([t["pos"], new_pos], dim=2), r["q"], positions, fill[i], n_pad[0], stored)
+            out += [x.to(torch.uint8) if self.fmt.quantized and f in ("k", "v") else x
+                    for f, x in zip(self.shapes[i].fields, kept, strict=True)]
         return tuple(out)
+
+
+def _carried(x: torch.Tensor) -> torch.Tensor:
+    """uint8 codes as float16 (every code 0..255 exactly) for a prefill compaction's Concat and gathers, which
+    TensorRT does not run on UINT8; cast back after TopKGather. Other tensors as they are."""
+    return x.to(torch.float16) if x.dtype == torch.uint8 else x
 
 
 class Compact(_CacheGraph):

@@ -31,13 +31,13 @@ OPSET = 18  # default-domain opset of every exported graph and of the function b
 PLUGIN_NAMESPACE = "kvexport"
 #: TensorRT plugin version of the node signatures the plugin library (plugins/) implements: TopKGather "1" (float
 #: rows and, since domain version 2, uint8 codes: a widening, old graphs still match), LatentAttention "1" (four
-#: inputs, a float latent: every node the exporter writes; a quantized latent is dequantized by standard ops before
-#: it). A LatentAttention node with the version-2 inputs (``new_latent``, ``latent_scale`` / ``latent_format``) is
-#: plugin version "2", which no plugin registers yet (op_support flags it; docs/quantized.md).
+#: inputs, a float latent: what the exporter writes for a float cache). A LatentAttention node with the version-2
+#: inputs (``new_latent``, ``latent_scale`` / ``latent_format``) is plugin version "2": the exporter writes it for an
+#: int8 / fp8 latent cache (the codes read by the kernel; docs/quantized.md).
 PLUGIN_VERSION = "1"
 PLUGIN_VERSIONS = {"TopKGather": "1", "LatentAttention": "1"}
-#: plugin versions the library registers, per op
-PLUGIN_REGISTERED = {"TopKGather": ("1",), "LatentAttention": ("1",)}
+#: plugin versions the library registers, per op (plugins/*/README.md)
+PLUGIN_REGISTERED = {"TopKGather": ("1",), "LatentAttention": ("1", "2")}
 #: LatentAttention ``latent_format`` codes (kvexport.cache.formats.KVFormat.code)
 LATENT_FORMATS = {0: "float", 1: "int8", 2: "fp8"}
 
@@ -67,7 +67,12 @@ def _topk_gather_fake(scores, keys, values, positions, k):
 
 
 def _latent_values(latent, latent_scale, latent_format: int, dtype):
-    """The cache part's rows in q's dtype: the latent itself, or its codes dequantized (kvexport.cache.quant)."""
+    """The cache part's rows (B, S, R+Dr) in q's dtype: the latent itself, or its codes dequantized
+    (kvexport.cache.quant); a (B, 1, S, R+Dr) latent (the cache's one head) is read as (B, S, R+Dr)."""
+    if latent.dim() == 4:
+        if latent.shape[1] != 1:
+            raise ValueError(f"LatentAttention: a 4-D latent must be (B, 1, S, R+Dr), got {tuple(latent.shape)}")
+        latent = latent[:, 0]
     if not latent_format:
         return latent
     from kvexport.cache.formats import FORMATS
@@ -86,7 +91,8 @@ def latent_attention_reference(q: torch.Tensor, latent: torch.Tensor, q_position
     """Absorbed multi-head latent attention (DeepSeek-V2 "absorb" mode; X-EcoMLA, AMD 2025).
 
     q (B, Hq, T, R+Dr) absorbed queries ``[W_UK,iᵀ q_nope ; RoPE(q_pe)]``, latent (B, S, R+Dr) cache rows
-    ``[c_kv ; RoPE(k_pe)]``, q_positions (B, T), latent_positions (B, S) int64 (-1 = padding / empty) ->
+    ``[c_kv ; RoPE(k_pe)]`` (or (B, 1, S, R+Dr): the cache buffer of its one head, as the exporter hands a quantized
+    cache to the node, since TensorRT reshapes no UINT8 tensor), q_positions (B, T), latent_positions (B, S) int64 (-1 = padding / empty) ->
     out (B, Hq, T, R) in q's dtype = ``softmax(scale · q·Lᵀ) @ L[..., :R]`` over the rows L = the cache, followed by
     ``new_latent`` (B, T, R+Dr) when given: this step's own rows, at the queries' positions ``q_positions``.
     A row at position p is visible to query t iff 0 <= p <= q_positions[t]; masked logits are
@@ -232,13 +238,41 @@ TopKGather <k, plugin_namespace, plugin_version> (scores, keys, values, position
 }}
 """
 
+
+
+def topk_gather_function(codes: bool = False) -> onnx.FunctionProto:
+    """TopKGather's function body; ``codes``: for uint8 keys / values (a quantized cache), which it gathers as
+    float16 (every code 0..255 exactly) and casts back, so that an inlined body (``--ops standard``) runs on
+    TensorRT, which gathers no UINT8 tensor (the plugin copies the bytes)."""
+    text = _TOPK_GATHER_FN
+    if codes:
+        for name in ("keys", "values"):
+            text = text.replace(f"Shape ({name})", f"Shape ({name}16)").replace(
+                f"GatherElements <axis: int = 2> ({name}, ", f"GatherElements <axis: int = 2> ({name}16, ")
+            text = text.replace(f"kept_{name} = GatherElements", f"kept_{name}16 = GatherElements")
+        text = text.replace("    zero = Constant", "    keys16 = Cast <to: int = 10> (keys)\n"
+                            "    values16 = Cast <to: int = 10> (values)\n    zero = Constant", 1)
+        text = text.replace("\n}", "\n    kept_keys = CastLike (kept_keys16, keys)\n"
+                            "    kept_values = CastLike (kept_values16, values)\n}", 1)
+    return onnx.parser.parse_function(text)
+
+
+def _gathers_codes(model: onnx.ModelProto) -> bool:
+    """Whether every TopKGather node of ``model`` takes uint8 keys and values (as far as the graph types them)."""
+    types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.input, *model.graph.value_info]}
+    nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == "TopKGather"]
+    return bool(nodes) and all(types.get(n.input[i]) == onnx.TensorProto.UINT8 for n in nodes for i in (1, 2))
+
+
 _LATENT_HEAD = f"""
 <domain: "{DOMAIN}", opset_import: ["" : {OPSET}]>
 LatentAttention <rank, scale, latent_format, plugin_namespace, plugin_version>
     (q, latent, q_positions, latent_positions, new_latent, latent_scale) => (out)
 {{
 """
-#: the cache part's rows in q's type, per latent_format (the arithmetic of kvexport.cache.quant.dequantize)
+#: the cache part's rows in q's type, per latent_format (the arithmetic of kvexport.cache.quant.dequantize); the
+#: latent is (B, S, R+Dr) or (B, 1, S, R+Dr), each scale broadcast over its row, then read as lat (B, 1, S, R+Dr);
+#: no op but Cast touches the uint8 codes (an inlined body must parse on TensorRT, which has no UINT8 Shape)
 _LATENT_ROWS = {
     0: """
     rows = Identity (latent)
@@ -248,25 +282,33 @@ _LATENT_ROWS = {
     zp = Constant <value_float: float = 128.0> ()
     centred = Sub (codes, zp)
     s32 = Cast <to: int = 1> (latent_scale)
-    neg1 = Constant <value_ints: ints = [-1]> ()
-    s3 = Unsqueeze (s32, neg1)
+    lead = Shape <end: int = -1> (codes)
+    unit = Constant <value_ints: ints = [1]> ()
+    sshape = Concat <axis: int = 0> (lead, unit)
+    s3 = Reshape (s32, sshape)
     deq = Mul (centred, s3)
     rows = CastLike (deq, q)
 """,
     2: """
-    idx = Cast <to: int = 7> (latent)
+    codes = Cast <to: int = 1> (latent)
+    idx = Cast <to: int = 7> (codes)
     table = Constant <value: tensor = float[1] {0.0}> ()
     values = Gather <axis: int = 0> (table, idx)
     s32 = Cast <to: int = 1> (latent_scale)
-    neg1 = Constant <value_ints: ints = [-1]> ()
-    s3 = Unsqueeze (s32, neg1)
+    lead = Shape <end: int = -1> (idx)
+    unit = Constant <value_ints: ints = [1]> ()
+    sshape = Concat <axis: int = 0> (lead, unit)
+    s3 = Reshape (s32, sshape)
     deq = Mul (values, s3)
     rows = CastLike (deq, q)
 """,
 }
 _LATENT_CACHE = """
     one = Constant <value_ints: ints = [1]> ()
-    lat = Unsqueeze (rows, one)
+    width = Shape <start: int = -1> (rows)
+    head = Constant <value_ints: ints = [0, 1, -1]> ()
+    lshape = Concat <axis: int = 0> (head, width)
+    lat = Reshape (rows, lshape)
     latT = Transpose <perm: ints = [0, 1, 3, 2]> (lat)
     raw = MatMul (q, latT)
     raw32 = Cast <to: int = 1> (raw)
@@ -356,13 +398,15 @@ def latent_configuration(node: onnx.NodeProto) -> tuple[bool, int]:
 
 def function_protos(model: onnx.ModelProto | None = None) -> list[onnx.FunctionProto]:
     """The model-local functions backing ``kvexport::TopKGather`` and ``kvexport::LatentAttention``: for ``model``,
-    the LatentAttention body its nodes use (they must agree), else the one-part float body."""
+    the bodies its nodes use (LatentAttention's configuration, they must agree; TopKGather's for uint8 codes where
+    every node gathers codes), else the float TopKGather and one-part float LatentAttention bodies."""
     configs = {latent_configuration(n) for n in model.graph.node
                if n.domain == DOMAIN and n.op_type == "LatentAttention"} if model is not None else set()
     if len(configs) > 1:
         raise ValueError(f"LatentAttention nodes of one graph use different configurations {sorted(configs)}")
     two, fmt = next(iter(configs)) if configs else (False, 0)
-    return [onnx.parser.parse_function(_TOPK_GATHER_FN), latent_attention_function(two, fmt)]
+    codes = model is not None and _gathers_codes(model)
+    return [topk_gather_function(codes), latent_attention_function(two, fmt)]
 
 
 def plugin_version(op: str, n_inputs: int = 4, latent_format: int = 0) -> str:

@@ -40,21 +40,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvexport.cache.quant import QuantizedRows
 from kvexport.mla.config import MLALayerPlan
 from kvexport.models.attention import RMSNorm, grouped_attention
 from kvexport.models.rope import Rotary
 from kvexport.models.spec import ModelSpec
 
 
-def latent_attention(q, latent, q_positions, latent_positions, rank: int, scale: float) -> torch.Tensor:
+def latent_attention(q, latent, q_positions, latent_positions, rank: int, scale: float, new_latent=None,
+                     latent_scale=None, latent_format: int = 0) -> torch.Tensor:
     """The ``kvexport::LatentAttention`` op: q (B, Hq, T, R + Dr), latent (B, S, R + Dr) -> out (B, Hq, T, R).
 
+    Version 2 (a quantized cache): latent (B, 1, S, R + Dr) uint8 codes, latent_scale (B, S) float16,
+    ``latent_format`` 1 / 2, and this step's rows new_latent (B, T, R + Dr) as a second part.
     Its one reference is :func:`kvexport.export.ops.latent_attention_reference` (docs/custom_ops.md); the
     exporter routes this call to the custom op while tracing.
     """
     from kvexport.export.ops import latent_attention_reference
 
-    return latent_attention_reference(q, latent, q_positions, latent_positions, rank, scale)
+    return latent_attention_reference(q, latent, q_positions, latent_positions, rank, scale, new_latent, latent_scale,
+                                      latent_format)
 
 
 def latent_input_dim(spec: ModelSpec) -> int:
@@ -97,6 +102,9 @@ class MLAAttention(nn.Module):
         self.scaling = D**-0.5
 
     cache_heads = property(lambda self: 1)
+    #: the absorbed path reads an int8 / fp8 cache itself (:class:`~kvexport.cache.quant.QuantizedRows` handed by the
+    #: PyTorch cache and the graphs; LatentAttention version 2 dequantizes on load, no float copy of the cache)
+    reads_quantized = property(lambda self: self.absorb)
     key_dim = property(lambda self: self.kv_rank + self.rope_dim)
     value_dim = property(lambda self: 0)
     score_dim = property(lambda self: self.kv_rank + self.rope_dim)
@@ -160,21 +168,32 @@ class MLAAttention(nn.Module):
         k_pe = latent[:, None, :, self.kv_rank :].expand(B, self.num_heads, S, self.rope_dim)
         return torch.cat([kv[..., :D], k_pe], dim=-1), kv[..., D:]
 
+    def absorbed_out(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """o_lat (B, Hq, T, R), the attention-weighted latent -> per-head outputs (B, Hq, T, D) = W_UV,i o + b_V,i."""
+        out = torch.einsum("bhtr,hdr->bhtd", o_lat, self.w_uv())
+        b = self.b_uv()
+        return out if b is None else out + b[None, :, None, :]
+
     # ------------------------------------------------------------------ forward
     def forward(self, h, positions, past_k, past_v, past_pos):
-        """Attend over [past latent slots ; this step's tokens]; past_* may have S = 0 slots."""
+        """Attend over [past latent slots ; this step's tokens]; past_* may have S = 0 slots. past_k: float rows, or
+        (absorbed path) :class:`~kvexport.cache.quant.QuantizedRows` of an int8 / fp8 cache."""
         B, T, _ = h.shape
         q_pre = self.queries(h)
         lat_new = self.latent(h, positions)  # (B, 1, T, R + Dr)
+        if isinstance(past_k, QuantizedRows):  # the codes go to the op as they are: (B, 1, S, R + Dr) uint8
+            q = self.score_rotary.apply(self.score_queries(q_pre), positions)  # (B, Hq, T, R + Dr)
+            o_lat = latent_attention(q, past_k.codes, positions, past_pos[:, 0], self.kv_rank, self.scaling,
+                                     lat_new[:, 0], past_k.scale[:, 0], past_k.format_code)  # (B, Hq, T, R)
+            out = self.absorbed_out(o_lat)
+            out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+            return self.o_proj(out), lat_new, lat_new.new_zeros(B, 1, T, 0), q_pre
         lat = torch.cat([past_k, lat_new], dim=2)[:, 0]  # (B, S, R + Dr)
         pos = torch.cat([past_pos, positions[:, None, :]], dim=2)[:, 0]  # (B, S)
         if self.absorb:
             q = self.score_rotary.apply(self.score_queries(q_pre), positions)  # (B, Hq, T, R + Dr)
             o_lat = latent_attention(q, lat, positions, pos, self.kv_rank, self.scaling)  # (B, Hq, T, R)
-            out = torch.einsum("bhtr,hdr->bhtd", o_lat, self.w_uv())
-            b = self.b_uv()
-            if b is not None:
-                out = out + b[None, :, None, :]
+            out = self.absorbed_out(o_lat)
         else:
             k, v = self.decompress(lat)
             q = self.rotary.apply(torch.cat([q_pre, self.rope_queries(q_pre)], dim=-1), positions)

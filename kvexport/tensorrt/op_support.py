@@ -86,8 +86,9 @@ PLUGIN_IO = {
 }
 #: plugin_version "2" signatures (op version 2): a LatentAttention over this step's rows (``new_latent``) and / or a
 #: quantized latent (uint8 codes, float16 ``latent_scale``, ``latent_format`` 1 int8 / 2 fp8); a float cache takes
-#: 4 or 5 inputs, a quantized one all 6 (plugins/latent_attention/README.md). The exporter writes version-1 nodes,
-#: dequantizing before them; a version-2 node is checked against this.
+#: 4 or 5 inputs, a quantized one all 6, the latent (B, S, R+Dr) or (B, 1, S, R+Dr) (plugins/latent_attention/
+#: README.md). The exporter writes version-2 nodes over int8 / fp8 latent caches (the codes as the cache input holds
+#: them), version-1 nodes over float ones.
 PLUGIN_IO_V2 = {
     "LatentAttention": PluginIO(
         inputs=(("q", _FLOATS), ("latent", ("=q", "u8")), ("q_positions", ("i64",)), ("latent_positions", ("i64",)),
@@ -339,6 +340,24 @@ def _check_types(node, entry: OpEntry, g: _Graph, untyped: list[str]) -> list[st
     return bad
 
 
+#: what TensorRT converts UINT8 from and to (its DataType.kUINT8 documentation: "uint8 conversions are only
+#: supported for {float32, float16}"); the matrix's Cast line lists u8 without the pairing
+_UINT8_PEERS = ("f32", "f16")
+
+
+def _check_uint8_cast(node, g: _Graph) -> list[str]:
+    """A Cast / CastLike to or from uint8 must have float32 or float16 on the other side."""
+    if node.op_type not in ("Cast", "CastLike") or not node.input or not node.output:
+        return []
+    src, dst = g.type(node.input[0]), g.type(node.output[0])
+    if src is None or dst is None or src == dst or "u8" not in (src, dst):
+        return []
+    other = dst if src == "u8" else src
+    if other in _UINT8_PEERS:
+        return []
+    return [f"casts {src} to {dst}: TensorRT converts uint8 only from / to {', '.join(_UINT8_PEERS)}"]
+
+
 def _check_plugin(node, g: _Graph) -> list[str]:
     io = PLUGIN_IO.get(node.op_type)
     if io is None:
@@ -392,6 +411,11 @@ def _check_plugin(node, g: _Graph) -> list[str]:
         shape = g.shapes.get(node.input[0])
         if shape and shape[-1] and not attrs.get("rank", 0) <= shape[-1] <= LATENT_MAX_DIM:
             bad.append(f"latent width {shape[-1]} must be in [rank, {LATENT_MAX_DIM}]")
+        lat = g.shapes.get(node.input[1]) if len(node.input) > 1 else None
+        one_head = io.version == "2" and lat is not None and len(lat) == 4 and lat[1] in (1, None)
+        if lat is not None and len(lat) != 3 and not one_head:
+            want = "(B, S, R+Dr) or (B, 1, S, R+Dr)" if io.version == "2" else "(B, S, R+Dr)"
+            bad.append(f"input latent ({node.input[1]}) has shape {list(lat)}; plugin version {io.version} takes {want}")
     return bad
 
 
@@ -422,7 +446,8 @@ def _check_graph(graph, m: Matrix, label: str, report: OpSupportReport, outer: _
                                            f"not in the parser's support matrix ({m.source})"))
             continue
         attrs = _attrs(node)
-        reasons = _check_types(node, entry, g, report.untyped) + _check_rules(node, entry, g, attrs)
+        reasons = (_check_types(node, entry, g, report.untyped) + _check_rules(node, entry, g, attrs)
+                   + _check_uint8_cast(node, g))
         report.problems += [Problem(label, name, node.op_type, m.version, r) for r in reasons]
         for a in node.attribute:
             if a.type == AttributeProto.GRAPH:

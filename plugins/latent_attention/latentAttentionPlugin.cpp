@@ -29,6 +29,19 @@ char const* versionString(int32_t version) noexcept
     return version == 2 ? "2" : kPLUGIN_VERSION;
 }
 
+// The latent's slot count S and width R + Dr: (B, S, R + Dr), or in version 2 also (B, 1, S, R + Dr), the
+// exporter's one-head cache buffer as it is (TensorRT reshapes no UINT8 tensor, so a quantized cache's codes reach
+// the plugin in their buffer's shape; the bytes are the same).
+int64_t latentSlots(Dims const& latent) noexcept
+{
+    return latent.nbDims >= 2 ? latent.d[latent.nbDims - 2] : -1;
+}
+
+int64_t latentWidth(Dims const& latent) noexcept
+{
+    return latent.nbDims >= 1 ? latent.d[latent.nbDims - 1] : -1;
+}
+
 void requireFormat(int64_t format)
 {
     require(format >= kLatentFormatNone && format <= kLatentFormatFp8,
@@ -151,7 +164,10 @@ int32_t LatentAttentionPlugin::getOutputShapes(DimsExprs const* inputs, int32_t 
         DimsExprs const& q = inputs[kIN_Q];
         DimsExprs const& latent = inputs[kIN_LATENT];
         require(q.nbDims == 4, "q must be (B, Hq, T, R + Dr)");
-        require(latent.nbDims == 3, "latent must be (B, S, R + Dr)");
+        bool const oneHead = mVersion == 2 && latent.nbDims == 4
+            && (!latent.d[1]->isConstant() || latent.d[1]->getConstantValue() == 1);
+        require(latent.nbDims == 3 || oneHead,
+            mVersion == 2 ? "latent must be (B, S, R + Dr) or (B, 1, S, R + Dr)" : "latent must be (B, S, R + Dr)");
         require(inputs[kIN_Q_POSITIONS].nbDims == 2, "q_positions must be (B, T)");
         require(inputs[kIN_LATENT_POSITIONS].nbDims == 2, "latent_positions must be (B, S)");
         require(nbInputs <= kIN_NEW_LATENT || inputs[kIN_NEW_LATENT].nbDims == 3, "new_latent must be (B, T, R + Dr)");
@@ -214,7 +230,7 @@ int32_t LatentAttentionPlugin::configurePlugin(
         requireInputs(nbInputs);
         require(nbOutputs == kNB_OUTPUTS, "LatentAttention has 1 output");
         int64_t const d = in[kIN_Q].desc.dims.d[3];
-        int64_t const dl = in[kIN_LATENT].desc.dims.d[2];
+        int64_t const dl = latentWidth(in[kIN_LATENT].desc.dims);
         require(d < 0 || dl < 0 || d == dl, "q and latent must have the same last dimension R + Dr");
         if (nbInputs > kIN_NEW_LATENT)
         {
@@ -238,10 +254,10 @@ size_t LatentAttentionPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* in
         return 0;
     }
     Dims const& q = inputs[kIN_Q].max;         // (B, Hq, T, D) at the profile's maximum
-    Dims const& latent = inputs[kIN_LATENT].max; // (B, S, D)
+    Dims const& latent = inputs[kIN_LATENT].max; // (B, S, D) or (B, 1, S, D)
     int64_t const newRows = nbInputs > kIN_NEW_LATENT ? q.d[2] : 0; // new_latent's T rows follow the S slots
     return latentAttentionWorkspaceSize(static_cast<int32_t>(q.d[0]), static_cast<int32_t>(q.d[1]),
-        static_cast<int32_t>(q.d[2]), static_cast<int32_t>(latent.d[1] + newRows), static_cast<int32_t>(q.d[3]),
+        static_cast<int32_t>(q.d[2]), static_cast<int32_t>(latentSlots(latent) + newRows), static_cast<int32_t>(q.d[3]),
         mRank);
 }
 
@@ -250,13 +266,17 @@ void LatentAttentionPlugin::checkShapes(PluginTensorDesc const* in, int32_t nbIn
     requireInputs(nbInputs);
     Dims const& q = in[kIN_Q].dims;
     Dims const& latent = in[kIN_LATENT].dims;
-    require(q.nbDims == 4 && latent.nbDims == 3, "q must be (B, Hq, T, D) and latent (B, S, D)");
-    require(latent.d[0] == q.d[0] && latent.d[2] == q.d[3], "latent must be (B, S, D) with q's B and D");
+    bool const oneHead = mVersion == 2 && latent.nbDims == 4 && latent.d[1] == 1;
+    require(q.nbDims == 4 && (latent.nbDims == 3 || oneHead),
+        mVersion == 2 ? "q must be (B, Hq, T, D) and latent (B, S, D) or (B, 1, S, D)"
+                      : "q must be (B, Hq, T, D) and latent (B, S, D)");
+    int64_t const slots = latentSlots(latent);
+    require(latent.d[0] == q.d[0] && latentWidth(latent) == q.d[3], "latent must have q's B and D");
     require(q.d[3] >= mRank, "the latent width D must be >= rank");
     Dims const& qp = in[kIN_Q_POSITIONS].dims;
     Dims const& lp = in[kIN_LATENT_POSITIONS].dims;
     require(qp.nbDims == 2 && qp.d[0] == q.d[0] && qp.d[1] == q.d[2], "q_positions must be (B, T)");
-    require(lp.nbDims == 2 && lp.d[0] == q.d[0] && lp.d[1] == latent.d[1], "latent_positions must be (B, S)");
+    require(lp.nbDims == 2 && lp.d[0] == q.d[0] && lp.d[1] == slots, "latent_positions must be (B, S)");
     if (nbInputs > kIN_NEW_LATENT)
     {
         Dims const& nl = in[kIN_NEW_LATENT].dims;
@@ -266,7 +286,7 @@ void LatentAttentionPlugin::checkShapes(PluginTensorDesc const* in, int32_t nbIn
     if (nbInputs > kIN_LATENT_SCALE)
     {
         Dims const& ls = in[kIN_LATENT_SCALE].dims;
-        require(ls.nbDims == 2 && ls.d[0] == q.d[0] && ls.d[1] == latent.d[1], "latent_scale must be (B, S)");
+        require(ls.nbDims == 2 && ls.d[0] == q.d[0] && ls.d[1] == slots, "latent_scale must be (B, S)");
     }
 }
 
@@ -315,7 +335,7 @@ void LatentAttentionPlugin::doEnqueue(PluginTensorDesc const* inputDesc, void co
     p.batch = static_cast<int32_t>(q.d[0]);
     p.heads = static_cast<int32_t>(q.d[1]);
     p.queries = static_cast<int32_t>(q.d[2]);
-    p.slots = static_cast<int32_t>(inputDesc[kIN_LATENT].dims.d[1]);
+    p.slots = static_cast<int32_t>(latentSlots(inputDesc[kIN_LATENT].dims));
     p.dim = static_cast<int32_t>(q.d[3]);
     p.rank = mRank;
     p.scale = mScale;

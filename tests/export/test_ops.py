@@ -188,6 +188,9 @@ def test_topk_gather_gathers_uint8_codes():
                          vi("values", U, [B, H, S, Dv]), vi("positions", TensorProto.INT64, [B, H, S])],
                   [vi("kept_keys", U, [B, H, k, Dk]), vi("kept_values", U, [B, H, k, Dv]),
                    vi("kept_positions", TensorProto.INT64, [B, H, k]), vi("kept_indices", TensorProto.INT64, [B, H, k])])
+    # the body onnxruntime runs here (and an inlined --ops standard graph holds) gathers the codes as float16
+    body = next(f for f in m.functions if f.name == "TopKGather")
+    assert {"Cast", "CastLike"} <= {n.op_type for n in body.node}
     got = _run(m, {"scores": scores, "keys": keys, "values": values, "positions": positions})
     want = topk_gather_numpy(scores, keys, values, positions, k)
     t_got = ops.topk_gather(*(torch.from_numpy(x) for x in (scores, keys, values, positions)), k)
@@ -207,10 +210,13 @@ def _dequantize_numpy(codes, scale, fmt):
     return v * scale.astype(np.float64)[..., None]
 
 
+@pytest.mark.parametrize("one_head", [False, True], ids=["BSD", "B1SD"])
 @pytest.mark.parametrize("fmt", [0, 1, 2], ids=["float", "int8", "fp8"])
-def test_latent_attention_v2_two_parts_and_quantized_latent(fmt):
+def test_latent_attention_v2_two_parts_and_quantized_latent(fmt, one_head):
     """Version 2: ``new_latent`` attended in the same softmax as the cache, and a quantized cache (uint8 codes +
-    float16 scale per row, dequantized on load): PyTorch op and ONNX function vs NumPy on the concatenated rows."""
+    float16 scale per row, dequantized on load): PyTorch op and ONNX function vs NumPy on the concatenated rows.
+    ``one_head``: the latent handed over as the exporter does, the cache's (B, 1, S, D) buffer (B = 2, so a scale
+    broadcast over the wrong axis would mix the rows of the two sequences)."""
     rng = np.random.default_rng(11 + fmt)
     B, Hq, T, S, R, Dr = 2, 3, 2, 9, 6, 2
     D, scale = R + Dr, float((R + Dr) ** -0.5)
@@ -229,12 +235,14 @@ def test_latent_attention_v2_two_parts_and_quantized_latent(fmt):
         rows = latent.astype(np.float64)
     want = latent_attention_numpy(q, np.concatenate([rows, new], 1), qp, np.concatenate([lp, qp], 1), R, scale)
     tt = (lambda x: None if x is None else torch.from_numpy(x))  # noqa: E731
+    lshape = [B, 1, S, D] if one_head else [B, S, D]
+    latent = latent.reshape(lshape)
     t_out = ops.latent_attention(tt(q), tt(latent), tt(qp), tt(lp), R, scale, tt(new), tt(lscale), fmt)
     names = ["q", "latent", "q_positions", "latent_positions", "new_latent"] + (["latent_scale"] if fmt else [])
     attrs = {"latent_format": fmt} if fmt else {}
     node = ops.make_node("LatentAttention", names, ["out"], rank=R, scale=scale, **attrs)
     vi, F = helper.make_tensor_value_info, TensorProto.FLOAT
-    inputs = [vi("q", F, [B, Hq, T, D]), vi("latent", TensorProto.UINT8 if fmt else F, [B, S, D]),
+    inputs = [vi("q", F, [B, Hq, T, D]), vi("latent", TensorProto.UINT8 if fmt else F, lshape),
               vi("q_positions", TensorProto.INT64, [B, T]), vi("latent_positions", TensorProto.INT64, [B, S]),
               vi("new_latent", F, [B, T, D])] + ([vi("latent_scale", TensorProto.FLOAT16, [B, S])] if fmt else [])
     m = _model_v2(node, inputs, [vi("out", F, [B, Hq, T, R])])
@@ -244,6 +252,6 @@ def test_latent_attention_v2_two_parts_and_quantized_latent(fmt):
     (o_out,) = _run(m, feeds)
     np.testing.assert_allclose(t_out.numpy(), want, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(o_out, want, atol=1e-5, rtol=1e-5)
-    # the node asks for the version-2 plugin, which no plugin library registers yet (kvexport.tensorrt.op_support)
+    # the node asks for the version-2 plugin (plugins/latent_attention registers versions 1 and 2)
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    assert attrs["plugin_version"] == b"2" and ops.PLUGIN_REGISTERED["LatentAttention"] == ("1",)
+    assert attrs["plugin_version"] == b"2" and ops.PLUGIN_REGISTERED["LatentAttention"] == ("1", "2")

@@ -9,7 +9,9 @@ where its own scores tie two candidates, :mod:`kvexport.export.ties`), logits wi
 codes: the quantizer is exact float32 arithmetic; observed <= 2e-6 on these models, the bound leaves room for one
 code that rounds the other way after a matmul's different summation order), and the export's own buffers, the
 PyTorch cache's and the byte formula agree on the K/V and scale bytes. Tiny models of every family, GQA presses
-and MLA (with and without a press), int8 and fp8 on each, fp16 once.
+and MLA (with and without a press), int8 and fp8 on each, fp16 once. An int8 / fp8 MLA export hands its uint8
+latent to LatentAttention version 2 (onnxruntime runs the node's ONNX function body; the PyTorch cache dequantizes
+with kvexport.cache.quant in eager PyTorch): the graph is checked to give the codes to nothing else.
 """
 
 from __future__ import annotations
@@ -29,16 +31,24 @@ from kvexport.profile.kv_bytes import CacheShape
 ATOL = 1e-3
 BUDGET, WINDOW, CHUNK, STEPS, PROMPT = 12, 4, 8, 9, 29  # 3 prefill and 2 decode compactions with a press
 KW = {"snapkv": {"window_size": 4}, "expected_attention": {"n_future_positions": 16}}
-#: (id, family, family kwargs, press or None, MLA, kv_dtype)
+#: (id, family, family kwargs, press or None, MLA, kv_dtype[, ops])
 CASES = [
     ("llama-snapkv-int8", "llama", {}, "snapkv", False, "int8"),
     ("llama-snapkv-fp16", "llama", {}, "snapkv", False, "fp16"),
     ("qwen2-knorm-fp8", "qwen2", {}, "knorm", False, "fp8"),
     ("qwen3-expected-int8", "qwen3", {"head_dim": 32}, "expected_attention", False, "int8"),
     ("mistral-tova-fp8", "mistral", {}, "tova", False, "fp8"),
+    # MLA on every family, int8 and fp8, with and without a press: LatentAttention version 2 reads the codes
     ("llama-mla-snapkv-int8", "llama", {}, "snapkv", True, "int8"),
+    ("llama-mla-full-fp8", "llama", {}, None, True, "fp8"),
+    ("qwen2-mla-tova-fp8", "qwen2", {}, "tova", True, "fp8"),
+    ("qwen2-mla-full-int8", "qwen2", {}, None, True, "int8"),
     ("qwen3-mla-keydiff-fp8", "qwen3", {"head_dim": 32}, "keydiff", True, "fp8"),
+    ("qwen3-mla-full-int8", "qwen3", {"head_dim": 32}, None, True, "int8"),
+    ("mistral-mla-expected-int8", "mistral", {}, "expected_attention", True, "int8"),
+    ("mistral-mla-full-fp8", "mistral", {}, None, True, "fp8"),
     ("llama-mla-full-int8", "llama", {}, None, True, "int8"),
+    ("llama-mla-snapkv-fp8-standard", "llama", {}, "snapkv", True, "fp8", "standard"),
 ]
 
 
@@ -54,13 +64,14 @@ def _kept(snapshot) -> list:
     return out
 
 
-@pytest.mark.parametrize(("family", "extra", "press", "mla", "kv_dtype"), [pytest.param(*c[1:], id=c[0]) for c in CASES])
-def test_export_equals_pytorch_quantized_cache(tiny_models, tmp_path, family, extra, press, mla, kv_dtype):
+@pytest.mark.parametrize(("family", "extra", "press", "mla", "kv_dtype", "ops"),
+                         [pytest.param(*c[1:6], c[6] if len(c) > 6 else "custom", id=c[0]) for c in CASES])
+def test_export_equals_pytorch_quantized_cache(tiny_models, tmp_path, family, extra, press, mla, kv_dtype, ops):
     hf = tiny_models(family, **extra)
     mla_kw = dict(mla_rank=16, rope_dim=4) if mla else {}
     size = {} if press is not None else dict(max_positions=64)
     out = export_model(hf, tmp_path / "x", press=_press(press), window=WINDOW, chunk=CHUNK, kv_dtype=kv_dtype,
-                       **mla_kw, **size)
+                       ops=ops, **mla_kw, **size)
     s = verify_manifest(out)["settings"]
     assert s["kv_dtype"] == kv_dtype
     ids = np.random.default_rng(7).integers(3, 128, (1, PROMPT))
@@ -92,6 +103,33 @@ def test_export_equals_pytorch_quantized_cache(tiny_models, tmp_path, family, ex
     width = sum(ly["key_dim"] + ly["value_dim"] for ly in s["graphs"]["layers"])
     heads = s["graphs"]["layers"][0]["heads"]
     assert mine["kv"] == s["capacities"][0] * heads * width * elem
+    if mla and kv_dtype in ("int8", "fp8") and ops == "custom":
+        _assert_latent_codes_read_by_the_node(out, s, kv_dtype)
+
+
+def _assert_latent_codes_read_by_the_node(out, settings, kv_dtype):
+    """The decode and prefill graphs hand each layer's uint8 latent input, as it is, to a version-2 LatentAttention
+    node with its float16 scales: nothing else reads the codes, so no Cast / DequantizeLinear / Gather makes a float
+    copy of the cache outside the node."""
+    import onnx
+    from onnx import helper
+
+    from kvexport.cache.formats import FORMATS
+
+    for name in ("decode", "prefill"):
+        g = onnx.load(str(out / settings["graphs"][name]["file"]), load_external_data=False).graph
+        types = {i.name: i.type.tensor_type.elem_type for i in g.input}
+        nodes = [n for n in g.node if n.domain == "kvexport" and n.op_type == "LatentAttention"]
+        assert len(nodes) == settings["num_layers"]
+        assert not [n for n in g.node if n.op_type in ("DequantizeLinear", "QuantizeLinear")]
+        for i in range(settings["num_layers"]):
+            assert types[f"k_{i}"] == onnx.TensorProto.UINT8 and types[f"ks_{i}"] == onnx.TensorProto.FLOAT16
+            readers = [n for n in g.node if f"k_{i}" in n.input]
+            assert len(readers) == 1 and readers[0] in nodes, [(n.op_type, n.name) for n in readers]
+            node = readers[0]
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            assert list(node.input).index(f"k_{i}") == 1 and len(node.input) == 6
+            assert attrs["plugin_version"] == b"2" and attrs["latent_format"] == FORMATS[kv_dtype].code
 
 
 @pytest.mark.parametrize("bad", ["int4", "float8", "FP8", "e4m3", ""])

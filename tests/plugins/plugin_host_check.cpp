@@ -273,6 +273,36 @@ int main()
             DataType::kHALF};
         DataType out2[1];
         check(b2->getOutputDataTypes(out2, 1, in2, 6) == 0 && out2[0] == DataType::kBF16, "version 2 out as q");
+        // the latent as the exporter hands a quantized cache over: its (B, 1, S, D) buffer (no UINT8 reshape)
+        auto dims = [](std::vector<int64_t> const& v) {
+            Dims d{};
+            d.nbDims = static_cast<int32_t>(v.size());
+            for (size_t i = 0; i < v.size(); ++i)
+            {
+                d.d[i] = v[i];
+            }
+            return d;
+        };
+        auto shaped = [&](std::vector<int64_t> const& latent, int64_t slots) {
+            std::vector<DynamicPluginTensorDesc> s = io2;
+            std::vector<std::vector<int64_t>> const shapes = {{2, 8, 1, 72}, latent, {2, 1}, {2, slots}, {2, 1, 72},
+                {2, slots}, {2, 8, 1, 64}};
+            for (size_t i = 0; i < s.size(); ++i)
+            {
+                s[i].desc.dims = s[i].min = s[i].max = s[i].opt = dims(shapes[i]);
+            }
+            return s;
+        };
+        std::vector<DynamicPluginTensorDesc> flat = shaped({2, 300, 72}, 300);
+        std::vector<DynamicPluginTensorDesc> head = shaped({2, 1, 300, 72}, 300);
+        check(b2->configurePlugin(head.data(), 6, head.data() + 6, 1) == 0, "version 2 takes a (B, 1, S, D) latent");
+        check(b2->getWorkspaceSize(head.data(), 6, head.data() + 6, 1)
+                    == b2->getWorkspaceSize(flat.data(), 6, flat.data() + 6, 1)
+                && b2->getWorkspaceSize(flat.data(), 6, flat.data() + 6, 1)
+                    != b2->getWorkspaceSize(shaped({2, 1, 40, 72}, 40).data(), 6, flat.data() + 6, 1),
+            "(B, 1, S, D) latent: S read from dimension 2 (workspace as for (B, S, D))");
+        std::vector<DynamicPluginTensorDesc> wide = shaped({2, 1, 300, 64}, 300);
+        check(b2->configurePlugin(wide.data(), 6, wide.data() + 6, 1) != 0, "(B, 1, S, D) latent: D must be q's");
     }
     int32_t fmt0 = 0;
     PluginField lf2f[3] = {lf2[0], lf2[1], PluginField("latent_format", &fmt0, PluginFieldType::kINT32, 1)};

@@ -45,6 +45,13 @@ EXTRA = {
     "mla-snapkv-fp16": dict(mla_rank=8, rope_dim=4, press="snapkv", dtype="fp16"),
     "mla-full-cache-standard": dict(mla_rank=8, rope_dim=4, ops="standard", max_positions=64),
     "dynamic-cache": dict(dynamic_cache=True, max_positions=64),
+    # quantized caches (docs/quantized.md): uint8 codes only reach TopKGather, LatentAttention version 2 and Cast
+    "mla-knorm-int8": dict(mla_rank=8, rope_dim=4, press="knorm", kv_dtype="int8"),
+    "mla-snapkv-fp8-fp16": dict(mla_rank=8, rope_dim=4, press="snapkv", kv_dtype="fp8", dtype="fp16"),
+    "mla-full-cache-int8": dict(mla_rank=8, rope_dim=4, max_positions=64, kv_dtype="int8"),
+    "mla-tova-fp8-standard": dict(mla_rank=8, rope_dim=4, press="tova", kv_dtype="fp8", ops="standard"),
+    "snapkv-int8": dict(press="snapkv", kv_dtype="int8"),
+    "expected-attention-fp8-fp16": dict(press="expected_attention", kv_dtype="fp8", dtype="fp16"),
 }
 KNOWN: dict[str, str] = {}  # exporter graphs that fail the check today, with why (strict xfail: a fix shows as XPASS)
 
@@ -91,6 +98,25 @@ def test_other_exports_are_parseable(tiny_hf, tmp_path_factory, key):
     reports = _assert_parseable(out)
     if key.startswith("mla") and EXTRA[key].get("ops", "custom") == "custom":
         assert any(r.plugin_nodes.get("LatentAttention") for r in reports)
+        _assert_latent_versions(out, EXTRA[key].get("kv_dtype"))
+    if EXTRA[key].get("kv_dtype") and EXTRA[key].get("press") and EXTRA[key].get("ops", "custom") == "custom":
+        assert all(r.plugin_nodes.get("TopKGather") == 1 for r in reports if r.graph.startswith("compact"))
+
+
+def _assert_latent_versions(out, kv_dtype):
+    """A float cache keeps the version-1 node (four inputs); an int8 / fp8 one gets version 2 (six inputs)."""
+    from kvexport.cache.formats import FORMATS
+
+    quantized = kv_dtype in ("int8", "fp8")
+    for name in ("decode.onnx", "prefill.onnx"):
+        nodes = [n for n in onnx.load(str(out / name), load_external_data=False).graph.node
+                 if n.op_type == "LatentAttention"]
+        assert nodes
+        for n in nodes:
+            attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+            assert attrs["plugin_version"] == (b"2" if quantized else b"1"), name
+            assert len(n.input) == (6 if quantized else 4), name
+            assert attrs.get("latent_format", 0) == (FORMATS[kv_dtype].code if quantized else 0), name
 
 
 # ------------------------------------------------------------------------------------------------ planted problems
@@ -130,6 +156,17 @@ def test_planted_unsupported_type_is_named(decode_model):
     problems = check_model(bad).problems
     assert problems and all(p.node == "planted_cast" for p in problems)
     assert any("output 0 (planted_f64) is f64" in p.reason for p in problems)
+
+
+def test_planted_uint8_cast_to_int64_is_named(decode_model):
+    """TensorRT converts uint8 only from and to float32 / float16: f32 -> u8 passes, u8 -> i64 is named."""
+    x = _float_tensor(decode_model)
+    m = _with(decode_model, helper.make_node("Cast", [x], ["planted_u8"], name="planted_to_u8", to=TensorProto.UINT8))
+    m.graph.node.append(helper.make_node("Cast", ["planted_u8"], ["planted_i64"], name="planted_u8_to_i64",
+                                         to=TensorProto.INT64))
+    problems = check_model(m).problems
+    assert problems and {p.node for p in problems} == {"planted_u8_to_i64"}
+    assert all("casts u8 to i64: TensorRT converts uint8 only from / to f32, f16" in p.reason for p in problems)
 
 
 def test_planted_restrictions_are_named(decode_model):
