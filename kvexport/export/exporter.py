@@ -317,43 +317,65 @@ def _optimize(model) -> None:
 
 
 def _fold_weight_reshapes(model) -> int:
-    """Replace ``Reshape(weight, constant shape)`` by the weight itself in the new shape (a view of the same
-    memory, stored so in weights.data); -> how many. onnxscript's folding leaves them (its input size limit), and
-    onnxruntime would fold each one in every session into a copy of its own (MLA's ``kv_b_proj``, reshaped
-    per head: 27 % of a Qwen3 MLA model's weights, twice: prefill and decode)."""
+    """Replace ``Reshape(weight, constant shape)`` and ``Slice(weight, constant starts / ends / axes / steps)`` by
+    the weight itself in the new shape, or the slice of it (views of the same memory, stored so in weights.data);
+    -> how many. onnxscript's folding leaves them (its input size limit), and onnxruntime would fold each one in
+    every session into a copy of its own: MLA's ``kv_b_proj``, reshaped per head and sliced into its key and value
+    halves, is 27 % of a Qwen3 MLA model's weights, copied twice (prefill and decode) into anonymous memory. A
+    sliced weight whose whole is no longer read is dropped, so the file holds the same bytes once."""
     import numpy as np
     import onnx_ir as ir
 
     graph = model.graph
     done = 0
     for node in list(graph):
-        if node.op_type != "Reshape" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+        if node.domain not in ("", "ai.onnx") or node.op_type not in ("Reshape", "Slice") or len(node.inputs) < 2:
             continue
-        data, shape = node.inputs[0], node.inputs[1]
+        data = node.inputs[0]
         t = data.const_value if data is not None and data.is_initializer() else None
-        if t is None or t.nbytes < EXTERNAL_MIN_BYTES or shape is None or shape.const_value is None:
+        if t is None or t.nbytes < EXTERNAL_MIN_BYTES or node.outputs[0].is_graph_output():
             continue
-        allowzero = node.attributes.get("allowzero")
-        dims = [int(d) for d in shape.const_value.numpy().reshape(-1)]
-        if not (allowzero is not None and allowzero.as_int()):
-            dims = [t.shape[i] if d == 0 else d for i, d in enumerate(dims)]  # 0: copy the input's dimension
+        consts = [None if v is None or v.const_value is None else v.const_value.numpy().reshape(-1).tolist()
+                  for v in node.inputs[1:]]
+        if any(c is None for c in consts):
+            continue
         arr = t.numpy()
-        try:
-            view = arr.reshape(dims)
-        except ValueError:
+        view = _reshape_view(arr, consts[0], node) if node.op_type == "Reshape" else _slice_view(arr, *consts)
+        if view is None or (view.size and not np.shares_memory(view, arr)):  # never a copy
             continue
-        if view.size and not np.shares_memory(view, arr):  # never a copy (a non-contiguous array would be one)
-            continue
-        out = node.outputs[0]
-        if out.is_graph_output():
-            continue
-        value = ir.Value(name=f"{data.name}_reshaped_{done}", shape=ir.Shape(view.shape), type=data.type,
-                         const_value=ir.Tensor(view, dtype=t.dtype, name=f"{data.name}_reshaped_{done}"))
+        name = f"{data.name}_{'reshaped' if node.op_type == 'Reshape' else 'sliced'}_{done}"
+        value = ir.Value(name=name, shape=ir.Shape(view.shape), type=data.type,
+                         const_value=ir.Tensor(view, dtype=t.dtype, name=name))
         graph.register_initializer(value)
-        out.replace_all_uses_with(value)
+        node.outputs[0].replace_all_uses_with(value)
         graph.remove(node, safe=True)
         done += 1
     return done
+
+
+def _reshape_view(arr, dims: list[int], node):
+    allowzero = node.attributes.get("allowzero")
+    if not (allowzero is not None and allowzero.as_int()):
+        dims = [arr.shape[i] if d == 0 else d for i, d in enumerate(dims)]  # 0: copy the input's dimension
+    try:
+        return arr.reshape(dims)
+    except ValueError:
+        return None
+
+
+def _slice_view(arr, starts: list[int], ends: list[int], axes: list[int] | None = None,
+                steps: list[int] | None = None):
+    """ONNX Slice with positive steps as a NumPy view (its clamping of starts / ends is Python's); None otherwise."""
+    axes = list(range(len(starts))) if axes is None else axes
+    steps = [1] * len(starts) if steps is None else steps
+    if not (len(starts) == len(ends) == len(axes) == len(steps)) or any(st < 1 for st in steps):
+        return None
+    index = [slice(None)] * arr.ndim
+    for a, b, e, st in zip(axes, starts, ends, steps, strict=True):
+        if not -arr.ndim <= a < arr.ndim:
+            return None
+        index[a] = slice(int(b), int(e), int(st))
+    return arr[tuple(index)]
 
 
 class SharedWeights:

@@ -80,8 +80,9 @@ def test_initializers_are_the_parameters_and_never_serialized(tiny_models, tmp_p
 
 
 def test_mla_weights_are_stored_in_the_shape_they_are_read(tiny_models, tmp_path):
-    """MLA reshapes ``kv_b_proj`` per head: the export stores it reshaped (a view: the same bytes, once), so that no
-    graph reshapes a stored weight, which onnxruntime would fold into a copy of its own in every session."""
+    """MLA reshapes ``kv_b_proj`` per head and slices it into its key and value halves: the export stores the
+    halves (the same bytes, once), so that no graph reshapes or slices a stored weight, which onnxruntime would fold
+    into a copy of its own in every session."""
     import onnx
 
     from kvexport.export import export_model
@@ -95,7 +96,8 @@ def test_mla_weights_are_stored_in_the_shape_they_are_read(tiny_models, tmp_path
     for g in ("prefill", "decode"):
         m = onnx.load(str(out / f"{g}.onnx"), load_external_data=False)
         stored = {t.name for t in m.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
-        assert not [n.name for n in m.graph.node if n.op_type == "Reshape" and n.input[0] in stored]
+        # no weight-only Reshape or Slice left, which onnxruntime would fold into a per-session copy
+        assert not [n.name for n in m.graph.node if n.op_type in ("Reshape", "Slice") and n.input[0] in stored]
     params = [p for p in {id(p): p for p in dec.parameters()}.values() if p.numel() * 4 >= ex.EXTERNAL_MIN_BYTES]
     big = sum(p.numel() * 4 for p in params)
     kv_b = sum(layer.self_attn.kv_b_proj.weight.numel() * 4 for layer in dec.layers)
