@@ -100,7 +100,7 @@ class OrtGenerator:
         opts = {name: so for name in graphs}
         self._shared: dict = {}  # (file, offset, length, type, dims) -> (memory-mapped array, OrtValue over it)
         self._maps: dict = {}  # weights file -> its read-only np.memmap; alive as long as the sessions
-        if share_weights and self.device == "cpu" and len(graphs) > 1:
+        if share_weights and self.device == "cpu" and graphs:  # one graph too: file pages, not a copy
             opts = self._share_initializers(graphs, threads)
         self.sessions = {name: ort.InferenceSession(str(self.path / g["file"]), opts[name], providers=providers)
                          for name, g in graphs.items()}
