@@ -26,6 +26,9 @@ def default_cache() -> Path:
 
 
 RUN_ONLY_FIELDS = ("max_context",)  # Shape fields that change what is timed, not what is built
+#: part of every kvexport export's cache key: bumped when the same settings export different graphs
+#: (2: full caches take their capacity axis as a dynamic dimension, held in buckets)
+EXPORT_LAYOUT = 2
 
 
 def _key(d: dict) -> str:
@@ -96,7 +99,7 @@ def kvx_export(row: Row, shape: Shape, cache: Path, log=print, rebuild: bool = F
     kw = row.export_kwargs(shape, capacity)
     src = model_dir(shape, cache)
     sd = {k: v for k, v in shape.to_dict().items() if k not in RUN_ONLY_FIELDS}
-    out = cache / "exports" / f"{shape.name}-{row.name}-{_key({'kw': kw, 'src': str(src), 'shape': sd})}"
+    out = cache / "exports" / f"{shape.name}-{row.name}-{_key({'kw': kw, 'src': str(src), 'shape': sd, 'layout': EXPORT_LAYOUT})}"
     if not rebuild and (out / "manifest.json").is_file():
         try:
             from kvexport.export.exporter import KIND

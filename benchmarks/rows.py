@@ -7,7 +7,8 @@ Rows, all greedy decoding at batch 1 of the same model and prompt:
     optimum         ``optimum-cli export onnx --task text-generation-with-past`` on onnxruntime (own venv)
     ortgenai        onnxruntime-genai's model builder: GroupQueryAttention over a preallocated past/present buffer
                     shared in place (own venv), the strongest full-cache CPU runtime
-    kvx-full        kvexport ``--press none``: a static full cache of the run's largest context, written in place
+    kvx-full        kvexport ``--press none``: a full cache of up to the run's largest context, written in place,
+                    held in power-of-two buckets (kvexport.cache.plan rule 7)
     kvx-snapkv      kvexport static budget, SnapKV, budget + window slots per layer
     kvx-streaming   kvexport static budget, StreamingLLM
     kvx-mla-full    kvexport MLA latent cache (r_kv + d_rope per token and layer, ≈6.4× smaller), static full cache
@@ -104,8 +105,8 @@ class Shape:
                           query_dim=self.head_dim, vocab_size=self.vocab)
 
     def kv_bytes(self, row: Row, context: int, capacity: int | None = None) -> int:
-        """K/V bytes held for one sequence of ``context`` tokens: budget + window slots with a press, the capacity
-        of a static full cache (both allocated up front), else every token (growing caches)."""
+        """K/V bytes held for one sequence of ``context`` tokens: budget + window slots with a press, the
+        bucket of a static full cache (power-of-two, at most its capacity), else every token (growing caches)."""
         return self.cache_shape(row, capacity=capacity).bytes_at(context)
 
     def mla_ratio(self) -> float:

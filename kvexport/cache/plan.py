@@ -38,6 +38,11 @@ Rules
    back to candidate order, where entries of position -1 score -inf and ties go to the lower index (ONNX
    ``TopK``'s rule; :func:`kvexport.cache.candidates.select_kept`). Presses must score a valid candidate the same
    whatever invalid entries precede it (tests/presses check every registered press for that).
+7. Buckets: a full cache whose graphs take the capacity axis as a dynamic dimension (``bucketed``) is held in
+   :func:`bucket_slots` slots for the rows it must hold: the smallest power of two >= the rows, at least
+   :data:`MIN_BUCKET`, at most the capacity. A prompt is fed into the bucket of its columns; a token that does
+   not fit doubles the bucket (the filled slots are copied once). Empty slots have position -1, so a step
+   attends over at most twice the filled slots, not the capacity. Static-budget caches never bucket.
 """
 
 from __future__ import annotations
@@ -47,6 +52,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvexport.errors import BadUsage
+
+#: rule 7: the fewest slots a bucketed full cache holds
+MIN_BUCKET = 256
+
+
+def bucket_slots(rows: int, capacity: int, floor: int = MIN_BUCKET) -> int:
+    """Rule 7. Slots a bucketed full cache of ``capacity`` slots holds for ``rows`` tokens: the smallest power of
+    two >= max(rows, floor), at most ``capacity``."""
+    need = max(int(rows), int(floor), 1)
+    return min(int(capacity), 1 << (need - 1).bit_length())
 
 
 class CacheFull(BadUsage):
@@ -92,7 +107,8 @@ class CachePlan:
 
     ``evicting=False``: a full cache, ``budgets`` are then the capacities and ``window`` is 0.
     ``chunk``: the prefill chunk width (None = the caller feeds the prompt at once); ``static_chunk``: the
-    width is fixed (graphs), so a short last chunk is front-padded to it (rule 2).
+    width is fixed (graphs), so a short last chunk is front-padded to it (rule 2). ``bucketed``: a full cache
+    held in buckets of :meth:`slots_for` slots (rule 7).
     """
 
     budgets: tuple[int, ...]
@@ -100,6 +116,7 @@ class CachePlan:
     evicting: bool
     chunk: int | None = None
     static_chunk: bool = False
+    bucketed: bool = False
 
     def __post_init__(self):
         if not self.budgets or min(self.budgets) < 1:
@@ -108,6 +125,8 @@ class CachePlan:
             raise BadUsage(f"window {self.window} must be >= 1 when a press evicts")
         if self.chunk is not None and self.chunk < 1:
             raise BadUsage(f"chunk {self.chunk} must be >= 1")
+        if self.bucketed and (self.evicting or len(set(self.budgets)) > 1):
+            raise BadUsage("only a full cache with one capacity for every layer is held in buckets")
 
     @classmethod
     def from_settings(cls, settings: dict) -> "CachePlan":
@@ -115,7 +134,7 @@ class CachePlan:
         evicting = settings.get("press") is not None
         budgets = settings["budgets"] if evicting else settings["capacities"]
         return cls(tuple(int(b) for b in budgets), int(settings["window"]) if evicting else 0, evicting,
-                   int(settings["chunk"]), static_chunk=True)
+                   int(settings["chunk"]), static_chunk=True, bucketed=bool(settings.get("dynamic_capacity")))
 
     @property
     def num_layers(self) -> int:
@@ -124,6 +143,11 @@ class CachePlan:
     @property
     def capacities(self) -> tuple[int, ...]:
         return tuple(b + self.window for b in self.budgets)
+
+    def slots_for(self, rows: int) -> int:
+        """Rule 7. Slots per layer held for ``rows`` tokens: the bucket, or the capacity when not bucketed."""
+        cap = min(self.capacities)
+        return bucket_slots(rows, cap) if self.bucketed else cap
 
     def chunks(self, n_columns: int) -> list[Chunk]:
         """Rule 2. How a prompt of ``n_columns`` columns is fed."""
@@ -233,4 +257,4 @@ class CacheState:
 
 
 __all__ = ["CachePlan", "CacheState", "CacheFull", "Chunk", "PrefillStep", "DecodeStep", "positions_from_mask",
-           "next_positions", "ring_order"]
+           "next_positions", "ring_order", "bucket_slots", "MIN_BUCKET"]

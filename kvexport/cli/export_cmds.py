@@ -36,7 +36,8 @@ def export_cmd(
     dynamic_cache: bool = typer.Option(False, "--dynamic-cache", help="Full cache with a growing past (baseline; "
                                        "needs --press none)."),
     max_positions: Optional[int] = typer.Option(None, "--max-positions", help="Longest context (press none: the "
-                                                "static cache capacity). Default: the model's max_position_embeddings."),
+                                                "full cache's capacity, held in power-of-two buckets up to it). "
+                                                "Default: the model's max_position_embeddings."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty --out."),
 ) -> None:
     """Export to ONNX: prefill-chunk, decode and compaction graphs with fixed-shape caches."""

@@ -17,6 +17,10 @@ Layout of an export directory (static caches)::
     tokenizer/     the source model's tokenizer files, when it has them
     manifest.json  settings, model hash and sha256 of every file (kvexport.export.manifest)
 
+A full cache (no press) of more than :data:`~kvexport.cache.plan.MIN_BUCKET` slots is exported with its capacity
+axis (axis 2 of every cache tensor) as one dynamic dimension ``capacity`` (manifest ``dynamic_capacity``), so the
+runtime can hold it in buckets (plan rule 7); static budgets keep fixed shapes.
+
 ``--dynamic-cache`` writes ``model.onnx`` instead: full cache with a growing past (the Optimum baseline).
 """
 

@@ -7,7 +7,10 @@ buffers per cache tensor and swaps them after each call (ping-pong), because onn
 promise that a general graph may read and write the same buffer. Memory therefore stays fixed at
 2 x the cache, whatever the number of steps (:meth:`OrtGenerator.resident_bytes` counts every buffer).
 Where each token goes is decided by :class:`kvexport.cache.plan.CacheState`; this module only feeds the
-graphs what the plan says.
+graphs what the plan says. A full-cache export with a dynamic capacity axis (``dynamic_capacity``) is held in
+a bucket of :meth:`~kvexport.cache.plan.CachePlan.slots_for` slots (plan rule 7): a prompt gets the bucket of
+its columns, a token that does not fit doubles it (the filled slots copied once, the graphs bound again), so a
+step reads O(filled) bytes, not the export's capacity.
 
 The ``--dynamic-cache`` baseline binds its growing ``present_*`` outputs to fresh buffers each step
 (that growth is the point of the comparison).
@@ -297,16 +300,44 @@ class OrtGenerator:
         return got
 
     def _alloc(self) -> None:
-        """Every cache buffer once, the decode step's output rows and the logits once: nothing per step."""
+        """Every cache buffer once (a bucketed full cache: its smallest bucket), the decode step's output rows and the
+        logits once: nothing per step."""
         self._init_cache_layout()
         self._ovs: dict = {}
         self._persistent: dict = {}
-        self.cache = {n: self._array(shape, dt, -1 if _kind(n) in ("positions", "query_positions") else 0)
-                      for n, (shape, dt) in self.shapes.items()}
+        self.cache = self._cache_buffers(self.plan.slots_for(0) if self.plan.bucketed else None)
         self.step_out = {n: self._array(shape, dt) for n, (shape, dt) in self.step_shapes.items()}
         self.logits = self._array((self.batch, int(self.settings["vocab_size"])), self.dtype)
         self.step_out["logits"] = self.logits
         self.staging: dict = {}  # the prefill chunk's rows, held only while a prompt is fed
+
+    def _cache_buffers(self, slots: int | None) -> dict:
+        """Fresh cache buffers (empty: positions -1) of ``slots`` slots per layer (a bucket), or None: the export's
+        capacities (``self.shapes``, also the most a bucket grows to)."""
+        out = {}
+        for n, (shape, dt) in self.shapes.items():
+            if slots is not None and _kind(n) in ("kv", "scales", "positions"):
+                shape = (*shape[:2], slots, *shape[3:])
+            out[n] = self._array(shape, dt, -1 if _kind(n) in ("positions", "query_positions") else 0)
+        return out
+
+    def _fit(self, rows: int, shrink: bool = False) -> None:
+        """Plan rule 7: hold the bucket of ``rows`` tokens. A larger bucket gets the filled slots copied once and the
+        graphs are bound to it again; ``shrink`` (a new prompt, nothing filled) also takes a smaller one. A no-op for
+        static caches and for buffers already larger (a server's slots hold the whole capacity)."""
+        if not self.plan.bucketed:
+            return
+        want, have = self.plan.slots_for(rows), int(self.cache["pos_0"].shape[2])
+        if want == have or (want < have and not shrink):
+            return
+        fill = min(max(self.state.fills), have, want)  # the slots written so far
+        grown = self._cache_buffers(want)
+        if fill:
+            for n, arr in grown.items():
+                arr[:, :, :fill] = self.cache[n][:, :, :fill]
+        self.cache = grown
+        self._ovs.clear()  # the OrtValues and the decode graph's binding wrap the old buffers
+        self._persistent.clear()
 
     def _reset_buffers(self) -> None:
         """A new sequence only needs every position -1 (k/v of an empty slot are never read)."""
@@ -394,7 +425,7 @@ class OrtGenerator:
         return list(self.plan.capacities)
 
     def kept_positions(self) -> list[np.ndarray]:
-        """Positions held in each layer's cache now: per layer (B, Hc, cap) int64, -1 = empty slot (copies).
+        """Positions held in each layer's cache now: per layer (B, Hc, slots held) int64, -1 = empty slot (copies).
 
         For the growing-past baseline: one (B, 1, n) array of the positions fed so far."""
         if self.dynamic:
@@ -433,6 +464,7 @@ class OrtGenerator:
             self.last_logits = last
             return last.copy()
         self.plan.check_fits(N)
+        self._fit(N, shrink=True)
         prefill_rows = set(self.settings["graphs"]["prefill"]["outputs"])
         chunk_shapes = {n: ((*shape[:2], C, *shape[3:]), dt) for n, (shape, dt) in
                         {**self.step_shapes, **self.full_shapes}.items() if n in prefill_rows}
@@ -477,6 +509,7 @@ class OrtGenerator:
             last = self._run_dynamic(tok[:, None], pos)
         else:
             step = self.state.decode()
+            self._fit(max(step.slots) + 1)
             rows = self._call("decode", self._feeds("decode", input_ids=tok[:, None], positions=pos),
                               self._cache_inputs("decode"), self.step_out, persistent=True)
             last = self._logits_now()
@@ -542,7 +575,8 @@ class OrtGenerator:
         return logits[:, -1] if logits.ndim == 3 else logits
 
     def current_cache_bytes(self) -> int:
-        """Bytes of K/V cache held now (fixed for static exports; the growing past for the baseline)."""
+        """Bytes of K/V cache held now (fixed for static budgets; a bucketed full cache's bucket; the growing past
+        for the baseline)."""
         if self.dynamic:
             return sum(v.numpy().nbytes if not isinstance(v, np.ndarray) else v.nbytes for v in self._past.values())
         return self.resident_bytes()["kv"]

@@ -90,8 +90,13 @@ def attention(q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos, scaling
 
     Small caches are concatenated with the new tokens (one softmax, :func:`grouped_attention`); large ones are
     read as two parts (:func:`attention_over_parts`, no copy of the cache). The rule depends on shapes only
-    (:data:`CONCAT_LIMIT_BYTES`), so an exported graph carries one of the two, and both are the same softmax.
+    (:data:`CONCAT_LIMIT_BYTES`), so an exported graph carries one of the two, and both are the same softmax. A
+    cache whose length is a symbolic dimension (a bucketed full cache, traced with a dynamic capacity axis) is
+    read as two parts: its size is not known when the graph is made.
     """
+    if isinstance(k_past.shape[2], torch.SymInt):
+        return attention_over_parts(q, [(k_past, v_past, pos_past), (k_new, v_new, pos_new)], q_pos, scaling,
+                                    sliding_window)
     if k_past.shape[2] == 0:
         return attention_over_parts(q, [(k_new, v_new, pos_new)], q_pos, scaling, sliding_window)
     cached = k_past[0].numel() * k_past.element_size() + v_past[0].numel() * v_past.element_size()

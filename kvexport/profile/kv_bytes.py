@@ -9,8 +9,8 @@ Bytes per element: the cache format's (``kv_dtype``, :mod:`kvexport.cache.format
 fp8); a quantized format adds one float16 scale per row (per token, cache head and tensor: keys and values, or
 the latent alone), ``2 * 2 * n_kv`` (GQA) or ``2`` (MLA) bytes per token and layer, counted as ``scales``.
 A static-budget cache allocates ``budget + window`` slots per layer once and never grows (PyramidKV: a budget
-per layer); a full cache holds every token of the context (a static export without a press allocates its whole
-``capacity`` up front: then that is what is resident).
+per layer); a full cache holds every token of the context (a static export without a press holds the bucket of
+the context, at most its ``capacity``: :func:`kvexport.cache.plan.bucket_slots`, the plan's rule 7).
 
 Memory as held (:meth:`CacheShape.resident_bytes_at`): every buffer a sequence keeps, not only K/V —
 positions (int64 per slot and cache head; one row per token for a growing past), the press's query ring
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvexport.cache.formats import SCALE_BYTES
+from kvexport.cache.plan import bucket_slots
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class CacheShape:
     """The cache layout of one model: ``mla_ranks`` None = GQA/MHA, else one r_kv per layer.
 
     ``budget``: tokens kept per layer (None = full cache); ``layer_budgets`` overrides it per layer (PyramidKV).
-    ``capacity``: a full cache allocated once at a fixed size (a static export without a press).
+    ``capacity``: the most slots of a static full cache (a static export without a press), held in buckets.
     ``query_heads`` / ``query_dim``: the query ring's shape (GQA: num_heads x head_dim; MLA: r_kv + d_rope).
     ``dtype_bytes``: the model's element size (queries, logits); ``kv_dtype``: how K/V are stored (None: as the
     model's dtype).
@@ -90,7 +91,9 @@ class CacheShape:
             return [int(b) + int(self.window) for b in self.layer_budgets]
         if self.budget is not None:
             return [int(self.budget) + int(self.window)] * self.num_layers
-        return [int(self.capacity) if self.capacity else int(context)] * self.num_layers
+        if self.capacity:  # a static full cache: the bucket of the context (kvexport.cache.plan rule 7)
+            return [bucket_slots(context, self.capacity)] * self.num_layers
+        return [int(context)] * self.num_layers
 
     def slots(self, context: int) -> int:
         """Slots of the largest layer (all layers unless PyramidKV)."""

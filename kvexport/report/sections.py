@@ -121,10 +121,9 @@ def profile_warnings(prof: dict[str, Any] | None) -> list[str]:
         shape = (prof.get("cache") or {}).get("shape") or {}
         why = ""
         if not shape.get("budget") and shape.get("capacity"):
-            why = (f" Without a press the export holds a static cache of {shape['capacity']} slots and attends over "
-                   "all of them at every step, whatever the context, while the baseline's cache grows with the "
-                   "context. Making the static cache attend only over its filled slots is a separate fix; until "
-                   "then cap --max-positions at the longest context you serve, or add a press.")
+            why = (f" Without a press the export holds a full cache of up to {shape['capacity']} slots in power-of-two "
+                   "buckets and attends over its whole bucket (at most twice the filled slots) at every step; a "
+                   "press bounds the cache, and the step's cost, whatever the context.")
         out.append("The converted model is slower than the uncompressed baseline here: " + "; ".join(slower) + "."
                    + why)
     return out
@@ -342,7 +341,8 @@ def _cache(rep: dict[str, Any]) -> Section:
         f"({fmt_ratio(cache.get('per_token_ratio'))}). "
         + (f"Static budget {sh.get('budget')} + window {sh.get('window')} slots per layer: the cache size "
            "does not grow with the context." if sh.get("budget") else
-           f"Full cache allocated once at {sh.get('capacity')} slots (the export's capacity)."
+           f"Full cache of up to {sh.get('capacity')} slots (the export's capacity), held in power-of-two buckets "
+           "of the context."
            if sh.get("capacity") else "Full cache: grows with the context."))
     s.blocks.append(Table(["context", "KV cache (converted)", "KV cache (baseline)", "ratio", "position indices"],
                           [[r["context"], fmt_bytes(r["kv_bytes"]), fmt_bytes(r["baseline_kv_bytes"]),

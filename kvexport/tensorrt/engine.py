@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Building TensorRT engines from kvexport's ONNX graphs (TensorRT Python API, static shapes)."""
+"""Building TensorRT engines from kvexport's ONNX graphs (TensorRT Python API, static shapes; a bucketed full
+cache's capacity axis gets one optimization profile, smallest bucket to capacity)."""
 
 from __future__ import annotations
 
@@ -108,6 +109,33 @@ def pin_scores_fp32(network, score_tensors: set[str], trt) -> int:
     return pinned
 
 
+def capacity_range(onnx_path: Path) -> tuple[int, int] | None:
+    """(smallest bucket, capacity) of a bucketed full-cache export's graph (its manifest beside it), else None."""
+    from kvexport.cache.plan import bucket_slots
+
+    man = onnx_path.parent / "manifest.json"
+    s = json.loads(man.read_text()).get("settings", {}) if man.is_file() else {}
+    if not s.get("dynamic_capacity"):
+        return None
+    cap = int(min(s["capacities"]))
+    return bucket_slots(1, cap), cap
+
+
+def capacity_profile(builder, config, onnx_path: Path, dynamic: dict[str, tuple]) -> None:
+    """One optimization profile for a bucketed full cache: axis 2 of every cache input from the smallest bucket to
+    the capacity (opt: the capacity); any other dynamic input is refused with one line."""
+    rng = capacity_range(onnx_path)
+    for name, shape in dynamic.items():
+        if rng is None or [k for k, d in enumerate(shape) if d < 0] != [2]:
+            raise BadArtifact(f"{onnx_path.name} input {name} has a dynamic shape {shape}; kvexport engines need "
+                              "the static shapes `kvexport export` writes (or a full cache's capacity axis)")
+    profile = builder.create_optimization_profile()
+    for name, shape in dynamic.items():
+        lo, hi = (tuple(n if k == 2 else d for k, d in enumerate(shape)) for n in rng)
+        profile.set_shape(name, lo, hi, hi)
+    config.add_optimization_profile(profile)
+
+
 def _require_gpu(trt, logger) -> object:
     try:
         builder = trt.Builder(logger)
@@ -154,14 +182,11 @@ def build_engine(
         if not parser.parse_from_file(str(prepared_path)):
             errs = [str(parser.get_error(i)) for i in range(parser.num_errors)]
             raise BadArtifact(f"TensorRT {version} could not parse {onnx_path.name}: {errs[0] if errs else log.errors}")
-        for i in range(network.num_inputs):
-            shape = tuple(network.get_input(i).shape)
-            if any(d < 0 for d in shape):
-                raise BadArtifact(
-                    f"{onnx_path.name} input {network.get_input(i).name} has a dynamic shape {shape}; "
-                    "kvexport engines need the static shapes `kvexport export` writes"
-                )
         config = builder.create_builder_config()
+        dynamic = {network.get_input(i).name: tuple(network.get_input(i).shape) for i in range(network.num_inputs)
+                   if any(d < 0 for d in network.get_input(i).shape)}
+        if dynamic:
+            capacity_profile(builder, config, onnx_path, dynamic)
         pinned = 0
         if fp16:
             flag16 = getattr(trt.BuilderFlag, "FP16", None)

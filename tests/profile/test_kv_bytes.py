@@ -69,8 +69,12 @@ def test_static_budget_table():
     assert full_cache_of(shape).budget is None
 
 
-def test_static_full_cache_counts_its_capacity():
-    """A static export without a press allocates its whole capacity up front: that is what is resident."""
+def test_static_full_cache_counts_its_bucket():
+    """A static export without a press holds the power-of-two bucket of the context (>= 256 slots, at most its
+    capacity; kvexport.cache.plan rule 7): that is what is resident."""
     shape = CacheShape(4, 2, 32, (16,) * 4, 8, None, 0, 4, capacity=4096)
-    assert shape.bytes_at(512) == shape.bytes_at(4096) == 4096 * 4 * 24 * 4
+    assert shape.bytes_at(512) == 512 * 4 * 24 * 4
+    assert shape.bytes_at(600) == 1024 * 4 * 24 * 4
+    assert shape.bytes_at(100) == 256 * 4 * 24 * 4
+    assert shape.bytes_at(4000) == shape.bytes_at(4096) == 4096 * 4 * 24 * 4
     assert full_cache_of(shape).bytes_at(512) == 512 * 4 * 2 * 2 * 32 * 4

@@ -1,0 +1,171 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Full-cache exports held in buckets (kvexport.cache.plan rule 7): the graphs take the capacity axis as a dynamic
+dimension, OrtGenerator holds the smallest power-of-two bucket that fits and doubles it when full.
+
+Parity across a doubling (a 250-token prompt in the 256-slot bucket, decoding on into 512) against two independent
+references: the PyTorch library path (its static cache holds the whole capacity, no buckets) and, for GQA, HF's own
+greedy decoding. Press exports keep fixed shapes."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from kvexport.cache.plan import MIN_BUCKET
+
+CAPACITY = 1024
+PROMPT = 250  # < MIN_BUCKET = 256: the prompt fits the first bucket, the 7th decoded token doubles it
+NEW = 24
+CASES = {"llama": ("llama", {}, {}), "qwen3": ("qwen3", {"head_dim": 32}, {}),
+         "llama-mla": ("llama", {}, {"mla_rank": 16, "rope_dim": 4}),
+         "qwen3-mla": ("qwen3", {"head_dim": 32}, {"mla_rank": 16, "rope_dim": 4})}
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, tiny_models):
+    """name -> (HF model, export dir), exported on first use."""
+    from kvexport.export import export_model
+
+    made: dict = {}
+
+    def get(name: str):
+        if name not in made:
+            family, extra, kw = CASES[name]
+            hf = tiny_models(family, **extra)
+            out = export_model(hf, tmp_path_factory.mktemp(name) / "x", chunk=64, max_positions=CAPACITY, **kw)
+            made[name] = (hf, out)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def press_export(tmp_path_factory, tiny_models):
+    from kvexport.export import export_model
+
+    return export_model(tiny_models("llama"), tmp_path_factory.mktemp("press") / "x", press="knorm", budget=12,
+                        window=4, chunk=8)
+
+
+def _prompt(n: int = PROMPT, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, 128, (1, n))
+
+
+def _dims(path, graph: str) -> dict[str, list]:
+    m = onnx.load(str(path / f"{graph}.onnx"), load_external_data=False)
+    return {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in m.graph.input}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_parity_across_a_bucket_doubling(exports, name):
+    from kvexport.export import OrtGenerator
+    from kvexport.export.validation import load_reference_model, reference_generate
+
+    hf, out = exports(name)
+    gen = OrtGenerator(out)
+    s = gen.settings
+    assert s["dynamic_capacity"] is True and s["capacities"] == [CAPACITY] * s["num_layers"]
+    ids = _prompt()
+    gen.prefill(ids)
+    assert gen.cache["k_0"].shape[2] == MIN_BUCKET  # the prompt's bucket, not the capacity
+    res = gen.generate(ids, None, NEW, keep_logits=True)
+    assert gen.cache["k_0"].shape[2] == 2 * MIN_BUCKET  # PROMPT + NEW - 1 rows: one doubling
+    ref = reference_generate(load_reference_model({"settings": s}, hf), s, None, ids, np.ones_like(ids), NEW)
+    np.testing.assert_array_equal(res.tokens, ref.tokens.numpy())
+    np.testing.assert_allclose(res.prompt_logits, ref.prompt_logits.numpy(), atol=1e-4, rtol=0)
+    got, want = np.stack(res.step_logits), torch.stack(ref.step_logits).numpy()
+    assert np.abs(got - want).max() <= 1e-4  # the parity tests' fp32 tolerance, before and after the doubling
+    if "mla" not in name:  # the MLA rewrite is lossy by design: HF is the reference of the GQA exports only
+        with torch.no_grad():
+            hf_out = hf.generate(torch.as_tensor(ids), max_new_tokens=NEW, do_sample=False,
+                                 attention_mask=torch.ones(1, PROMPT, dtype=torch.long))
+        np.testing.assert_array_equal(res.tokens, hf_out[:, PROMPT:].numpy())
+
+
+def test_capacity_axis_symbolic_for_full_caches_static_for_presses(exports, press_export):
+    _, full = exports("llama")
+    for graph in ("prefill", "decode"):
+        dims = _dims(full, graph)
+        for i in range(2):
+            assert dims[f"k_{i}"][2] == dims[f"v_{i}"][2] == dims[f"pos_{i}"][2] == "capacity"
+            assert all(isinstance(d, int) for k in (f"k_{i}", f"pos_{i}") for d in dims[k][:2])
+        assert dims["input_ids"] == [1, 64 if graph == "prefill" else 1]
+    _, mla = exports("llama-mla")
+    assert _dims(mla, "decode")["k_0"] == [1, 1, "capacity", 20]
+    press = press_export
+    assert json.loads((press / "manifest.json").read_text())["settings"]["dynamic_capacity"] is False
+    for graph in ("prefill", "decode", "compact", "compact_prefill"):
+        dims = _dims(press, graph)
+        assert dims["k_0"] == [1, 2, 16, 16] and dims["pos_0"] == [1, 2, 16]
+
+
+def test_resident_bytes_are_the_buckets(exports):
+    from kvexport.export import OrtGenerator
+    from kvexport.profile.kv_bytes import CacheShape
+
+    hf, out = exports("llama")
+    gen = OrtGenerator(out)
+    cfg = hf.config
+    L, H = cfg.num_hidden_layers, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    shape = CacheShape.from_export(gen.settings)
+    for n, new, slots in ((PROMPT, NEW, 512), (40, 10, 256), (600, 5, 1024)):
+        res = gen.generate(_prompt(n, seed=n), max_new_tokens=new)
+        kv = L * 2 * H * slots * D * 4  # k and v, fp32, every layer: the bucket, by hand
+        assert res.resident_bytes["kv"] == res.cache_bytes == gen.current_cache_bytes() == kv
+        assert res.resident_bytes["positions"] == L * H * slots * 8
+        assert res.resident_bytes == shape.resident_bytes_at(n + new - 1)  # the formula knows the bucket too
+        assert gen.kept_positions()[0].shape == (1, H, slots)
+
+
+def test_tensorrt_profile_spans_the_buckets(exports, press_export):
+    """Without TensorRT: the engine builder's optimization profile for the capacity axis (recorded by stand-ins)."""
+    from kvexport.errors import BadArtifact
+    from kvexport.tensorrt.engine import capacity_profile, capacity_range
+
+    _, full = exports("llama")
+    assert capacity_range(full / "decode.onnx") == (MIN_BUCKET, CAPACITY)
+
+    class Profile:
+        def __init__(self):
+            self.shapes = {}
+
+        def set_shape(self, name, lo, opt, hi):
+            self.shapes[name] = (lo, opt, hi)
+
+    class Builder:
+        def create_optimization_profile(self):
+            return Profile()
+
+    class Config:
+        def __init__(self):
+            self.profiles = []
+
+        def add_optimization_profile(self, p):
+            self.profiles.append(p)
+
+    config = Config()
+    capacity_profile(Builder(), config, full / "decode.onnx", {"k_0": (1, 2, -1, 16)})
+    assert config.profiles[0].shapes["k_0"] == ((1, 2, MIN_BUCKET, 16), (1, 2, CAPACITY, 16), (1, 2, CAPACITY, 16))
+    assert capacity_range(press_export / "decode.onnx") is None
+    with pytest.raises(BadArtifact, match="dynamic shape"):
+        capacity_profile(Builder(), Config(), press_export / "decode.onnx", {"k_0": (1, 2, -1, 16)})
+    with pytest.raises(BadArtifact, match="dynamic shape"):  # only the capacity axis may be dynamic
+        capacity_profile(Builder(), Config(), full / "decode.onnx", {"input_ids": (-1, 1)})
+
+
+def test_bucket_rule():
+    from kvexport.cache.plan import CachePlan, bucket_slots
+    from kvexport.errors import BadUsage
+
+    assert [bucket_slots(n, 16449) for n in (0, 1, 256, 257, 576, 8192, 8193, 16448, 16449)] == \
+        [256, 256, 256, 512, 1024, 8192, 16384, 16449, 16449]
+    assert bucket_slots(10, 64) == 64  # a capacity under the floor is one bucket
+    assert CachePlan((1024, 1024), 0, False, 64, True, bucketed=True).slots_for(300) == 512
+    assert CachePlan((1024, 1024), 0, False, 64, True).slots_for(300) == 1024  # not bucketed: the capacity
+    with pytest.raises(BadUsage, match="buckets"):
+        CachePlan((12, 12), 4, True, bucketed=True)
