@@ -118,6 +118,38 @@ def _reset_peak() -> None:
         f.write("5")
 
 
+class _Split:
+    """Samples RssAnon and RssFile every 20 ms (VmHWM does not split them): the peak of each and their split at the
+    sampled peak of their sum, so a stage's peak says how much of it is file pages the kernel may drop."""
+
+    def __init__(self):
+        import threading
+        self.peak: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> tuple[int, int]:
+        return _status_kb("RssAnon") * 1024, _status_kb("RssFile") * 1024
+
+    def _run(self) -> None:
+        best = -1
+        while not self._stop.wait(0.02):
+            anon, file = self._sample()
+            self.peak["anon"] = max(self.peak.get("anon", 0), anon)
+            self.peak["file"] = max(self.peak.get("file", 0), file)
+            if anon + file > best:
+                best = anon + file
+                self.peak["anon_at_peak"], self.peak["file_at_peak"] = anon, file
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+
 def _child(a: argparse.Namespace) -> int:
     """Run one conversion with every stage measured; writes the shape's JSON to ``a.result``."""
     import cProfile
@@ -137,16 +169,19 @@ def _child(a: argparse.Namespace) -> int:
             _reset_peak()
             t0, c0 = time.perf_counter(), time.process_time()
             prof = cProfile.Profile() if _name in a.cprofile else None
+            split = _Split()
             try:
                 if prof is not None:
                     prof.enable()
-                return _fn(st)
+                with split:
+                    return _fn(st)
             finally:
                 if prof is not None:
                     prof.disable()
                     prof.dump_stats(str(Path(a.out) / f"{a.shape}-{_name}.pstats"))
                 measured[_name] = {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
-                                   "peak_rss": _status_kb("VmHWM") * 1024, "end_rss": _status_kb("VmRSS") * 1024}
+                                   "peak_rss": _status_kb("VmHWM") * 1024, "end_rss": _status_kb("VmRSS") * 1024,
+                                   **{f"sampled_{k}": v for k, v in split.peak.items()}}
                 if a.stage_log:  # each stage as it ends: a run cut short still tells its finished stages' peaks
                     with open(a.stage_log, "a") as fh:
                         fh.write(json.dumps({"shape": a.shape, "stage": _name, **measured[_name]}) + "\n")
@@ -228,6 +263,12 @@ def _gb(b) -> str:
     return f"{b / 1e9:.2f}"
 
 
+def _split(m: dict) -> str:
+    if "sampled_anon_at_peak" not in m:
+        return ""
+    return f"{_gb(m['sampled_anon_at_peak'])} / {_gb(m['sampled_file_at_peak'])}"
+
+
 def markdown(res: dict) -> str:
     lines = [f"# kvexport convert on real-size shapes ({res['date_utc']})", "",
              f"`{res['command']}`; settings {json.dumps(res['settings'])}", ""]
@@ -236,21 +277,24 @@ def markdown(res: dict) -> str:
             lines.append(f"- {r['shape']['name']}: {r['date_utc']}, settings {json.dumps(r['settings'])}, load average "
                          f"{r['loadavg_start'][0]:.1f} → {r['loadavg_end'][0]:.1f}, {r['wall_seconds']:.0f} s")
     lines += ["",
-             "| shape | parameters | fp32 weights GB | stage | wall s | cpu s | peak RSS GB | × weights | end RSS GB |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+             "Peak RSS counts file pages (a memory-mapped checkpoint or weights.data: the kernel's to drop) with "
+             "anonymous memory; `anon / file at peak` splits the sampled peak (every 20 ms) where it was sampled.", "",
+             "| shape | parameters | fp32 weights GB | stage | wall s | cpu s | peak RSS GB | × weights | "
+             "anon / file at peak GB | end RSS GB |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
         if "stages" not in r:
             lines.append(f"| {r['shape']['name']} | {r['parameters'] / 1e6:.1f}M | {_gb(r['fp32_weight_bytes'])} | "
-                         f"FAILED | | | | | |")
+                         f"FAILED | | | | | | |")
             continue
         w = r["fp32_weight_bytes"]
         peak = max(m["peak_rss"] for m in r["stages"].values())
         for name, m in r["stages"].items():
             lines.append(f"| {r['shape']['name']} | {r['parameters'] / 1e6:.1f}M | {_gb(w)} | {name} | "
                          f"{m['seconds']:.1f} | {m['cpu_seconds']:.1f} | {_gb(m['peak_rss'])} | {m['peak_rss'] / w:.2f} | "
-                         f"{_gb(m['end_rss'])} |")
+                         f"{_split(m)} | {_gb(m['end_rss'])} |")
         lines.append(f"| {r['shape']['name']} | | | **all** | **{r['seconds']:.1f}** | | **{_gb(peak)}** | "
-                     f"**{peak / w:.2f}** | |")
+                     f"**{peak / w:.2f}** | | |")
     lines += ["", "The MLA model's own weights differ from the original's (at a low cache compression its latent "
               "factors are larger than the GQA projections they replace): `× its model` compares the export with the "
               "checkpoint it was made from (onnx/ with mla/, baseline/ and mla/ with the original).", "",
@@ -310,6 +354,8 @@ def parse(argv):
     ap.add_argument("--keep", action="store_true", help="keep each conversion directory under --cache/runs")
     ap.add_argument("--cprofile", action="append", default=[], choices=STAGES, help="cProfile this stage")
     ap.add_argument("--stage-log", help="append one JSON line per finished stage to this file (as it ends)")
+    ap.add_argument("--render", metavar="REALSIZE_JSON", help="only re-render realsize.md from this realsize.json "
+                    "into --out")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -327,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.child:
         a.baseline = False if a.no_baseline else None
         return _child(a)
+    if a.render:
+        (Path(a.out) / "realsize.md").write_text(markdown(json.loads(Path(a.render).read_text())))
+        return 0
     t_run = time.time()
 
     def log(msg: str) -> None:
