@@ -321,8 +321,9 @@ def _optimize(model) -> None:
 
 
 def _fold_weight_reshapes(model) -> int:
-    """Replace ``Reshape(weight, constant shape)`` and ``Slice(weight, constant starts / ends / axes / steps)`` by
-    the weight itself in the new shape, or the slice of it (views of the same memory, stored so in weights.data);
+    """Replace ``Reshape(weight, constant shape)``, ``Slice(weight, constant starts / ends / axes / steps)`` and
+    ``Transpose(weight)`` by the weight itself in the new shape, the slice of it or its transpose (views of the same
+    memory; a transposed one is written contiguous, one tensor at a time, by :class:`SharedWeights`);
     -> how many. onnxscript's folding leaves them (its input size limit), and onnxruntime would fold each one in
     every session into a copy of its own: MLA's ``kv_b_proj``, reshaped per head and sliced into its key and value
     halves, is 27 % of a Qwen3 MLA model's weights, copied twice (prefill and decode) into anonymous memory. A
@@ -333,7 +334,9 @@ def _fold_weight_reshapes(model) -> int:
     graph = model.graph
     done = 0
     for node in list(graph):
-        if node.domain not in ("", "ai.onnx") or node.op_type not in ("Reshape", "Slice") or len(node.inputs) < 2:
+        if node.domain not in ("", "ai.onnx") or node.op_type not in ("Reshape", "Slice", "Transpose"):
+            continue
+        if node.op_type != "Transpose" and len(node.inputs) < 2:
             continue
         data = node.inputs[0]
         t = data.const_value if data is not None and data.is_initializer() else None
@@ -344,10 +347,17 @@ def _fold_weight_reshapes(model) -> int:
         if any(c is None for c in consts):
             continue
         arr = t.numpy()
-        view = _reshape_view(arr, consts[0], node) if node.op_type == "Reshape" else _slice_view(arr, *consts)
+        if node.op_type == "Transpose":
+            perm = node.attributes.get("perm")
+            view = arr.transpose(perm.as_ints() if perm is not None else None)
+        elif node.op_type == "Reshape":
+            view = _reshape_view(arr, consts[0], node)
+        else:
+            view = _slice_view(arr, *consts)
         if view is None or (view.size and not np.shares_memory(view, arr)):  # never a copy
             continue
-        name = f"{data.name}_{'reshaped' if node.op_type == 'Reshape' else 'sliced'}_{done}"
+        kind = {"Reshape": "reshaped", "Slice": "sliced", "Transpose": "transposed"}[node.op_type]
+        name = f"{data.name}_{kind}_{done}"
         value = ir.Value(name=name, shape=ir.Shape(view.shape), type=data.type,
                          const_value=ir.Tensor(view, dtype=t.dtype, name=name))
         graph.register_initializer(value)

@@ -153,11 +153,11 @@ class MLAAttention(nn.Module):
 
     def rope_queries(self, q_pre: torch.Tensor) -> torch.Tensor:
         """q_pre (B, Hq, T, D) -> q_pe (B, Hq, T, d_rope), before RoPE."""
-        return torch.einsum("bhtd,hpd->bhtp", q_pre, self.q_rope)
+        return torch.matmul(q_pre, self.q_rope.transpose(-1, -2))  # (Hq, D, d_rope): the weight as MatMul reads it
 
     def score_queries(self, q_pre: torch.Tensor) -> torch.Tensor:
         """q_pre (B, Hq, T, D) -> absorbed pre-RoPE queries (B, Hq, T, r_kv + d_rope) = [W_UK,iᵀ q_i ; W_QR,i q_i]."""
-        q_lat = torch.einsum("bhtd,hdr->bhtr", q_pre, self.w_uk())
+        q_lat = torch.matmul(q_pre, self.w_uk())  # (B, Hq, T, D) @ (Hq, D, r_kv)
         return torch.cat([q_lat, self.rope_queries(q_pre)], dim=-1)
 
     def decompress(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +170,10 @@ class MLAAttention(nn.Module):
 
     def absorbed_out(self, o_lat: torch.Tensor) -> torch.Tensor:
         """o_lat (B, Hq, T, R), the attention-weighted latent -> per-head outputs (B, Hq, T, D) = W_UV,i o + b_V,i."""
-        out = torch.einsum("bhtr,hdr->bhtd", o_lat, self.w_uv())
+        # matmul, not einsum, here and in the queries: onnxruntime's Einsum permutes the weight on every call (MLA's
+        # three per-head products took 56 % of a 385M model's decode step); the exporter stores the transposed
+        # weight once (kvexport.export.exporter._fold_weight_reshapes), so each is a plain MatMul
+        out = torch.matmul(o_lat, self.w_uv().transpose(-1, -2))  # (B, Hq, T, r_kv) @ (Hq, r_kv, D)
         b = self.b_uv()
         return out if b is None else out + b[None, :, None, :]
 
