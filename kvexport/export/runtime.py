@@ -489,6 +489,8 @@ class OrtGenerator:
                     for i, f in enumerate(step.fills):
                         self._write_rows(rows, i, f, c_pos, first=pad)
         finally:
+            for arr in self.staging.values():  # their OrtValues too: the buffers were this prompt's only
+                self._ovs.pop(id(arr), None)
             self.staging = {}
         self.last_logits = self._logits_now()
         return self.last_logits.copy()
