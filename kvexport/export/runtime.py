@@ -443,8 +443,13 @@ class OrtGenerator:
         if limit and n > limit:
             raise BadUsage(f"prompt of {n} tokens exceeds the export's maximum {limit} (max_positions)")
 
-    def prefill(self, input_ids, attention_mask=None) -> np.ndarray:
+    def prefill(self, input_ids, attention_mask=None, reserve: int | None = None) -> np.ndarray:
         """Reset, then feed the prompt ``input_ids`` (B, N) (``attention_mask`` (B, N) 0/1, left padded).
+
+        ``reserve``: the tokens the sequence will reach (prompt + new ones), when known. A bucketed full cache then
+        takes that length's bucket now if it is at most twice the prompt's length (a step still reads at most twice
+        the filled slots), so decoding does not grow it (a grown bucket is a copy, held beside the old one while
+        it is made).
 
         Static exports run the prefill graph on the plan's chunks (a short last chunk padded at its front) and write
         each chunk's real columns at ``fill``, or run ``compact_prefill`` when a layer overflows its budget. Returns
@@ -464,7 +469,7 @@ class OrtGenerator:
             self.last_logits = last
             return last.copy()
         self.plan.check_fits(N)
-        self._fit(N, shrink=True)
+        self._fit(self._reserved_rows(N, reserve), shrink=True)
         prefill_rows = set(self.settings["graphs"]["prefill"]["outputs"])
         chunk_shapes = {n: ((*shape[:2], C, *shape[3:]), dt) for n, (shape, dt) in
                         {**self.step_shapes, **self.full_shapes}.items() if n in prefill_rows}
@@ -494,6 +499,13 @@ class OrtGenerator:
             self.staging = {}
         self.last_logits = self._logits_now()
         return self.last_logits.copy()
+
+    def _reserved_rows(self, n: int, reserve: int | None) -> int:
+        """The rows a new prompt of ``n`` tokens holds a bucket for (see :meth:`prefill`'s ``reserve``)."""
+        if not self.plan.bucketed or not reserve or reserve <= n:
+            return n
+        total = min(int(reserve), max(self.plan.capacities))
+        return total if self.plan.slots_for(total) <= 2 * n else n
 
     def _logits_now(self) -> np.ndarray:
         return _to_numpy(self.logits).copy()
@@ -611,7 +623,7 @@ class OrtGenerator:
         self.on_compaction = on_compaction
         try:
             t0 = time.perf_counter()
-            last = self.prefill(ids, mask)
+            last = self.prefill(ids, mask, reserve=ids.shape[1] + max_new_tokens - 1)
             res.prompt_logits = last
             res.prefill_seconds = time.perf_counter() - t0
             done = np.zeros(B, bool)

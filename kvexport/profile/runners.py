@@ -93,6 +93,7 @@ class OrtRunner:
         self.dir = Path(export_dir)
         self.gen = OrtGenerator(self.dir, providers=providers)
         self.cache_shape = cache_shape
+        self.total_tokens: int | None = None
         if int(self.gen.batch) != 1:
             raise BadArtifact(f"{self.dir} was exported for batch {self.gen.batch}; the profiler runs batch 1")
 
@@ -100,12 +101,13 @@ class OrtRunner:
         return sorted(p for p in self.dir.rglob("*") if p.is_file() and (p.suffix == ".onnx" or p.name.endswith(".data")))
 
     def start(self, total_tokens: int | None = None) -> None:
+        self.total_tokens = total_tokens  # the sequence's length: a bucketed cache takes its bucket at prefill
         self.gen.reset()
 
     def prefill(self, ids: np.ndarray) -> int:
         ids = np.asarray(ids, dtype=np.int64)
         try:
-            logits = self.gen.prefill(ids, np.ones_like(ids))
+            logits = self.gen.prefill(ids, np.ones_like(ids), reserve=self.total_tokens)
         except BadUsage as e:
             raise BadArtifact(f"{self.dir}: {e}") from None
         return int(logits.argmax(-1)[0])
@@ -132,6 +134,7 @@ class TensorRTRunner(OrtRunner):
         self.dir = Path(export_dir)
         self.gen = TrtGenerator(self.dir, engines=engines, runner_factory=runner_factory)
         self.cache_shape = cache_shape
+        self.total_tokens: int | None = None
         if int(self.gen.batch) != 1:
             raise BadArtifact(f"{self.dir} was exported for batch {self.gen.batch}; the profiler runs batch 1")
 

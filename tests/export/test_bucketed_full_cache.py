@@ -86,6 +86,33 @@ def test_parity_across_a_bucket_doubling(exports, name):
         np.testing.assert_array_equal(res.tokens, hf_out[:, PROMPT:].numpy())
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3-mla"])
+def test_reserved_bucket_is_taken_at_prefill(exports, name):
+    """A prompt that fills its bucket, with the sequence's length known (``generate``, the profiler): the bucket that
+    length needs is taken at prefill when it is at most twice the prompt (no copy while decoding), and the run
+    equals the PyTorch library path."""
+    from kvexport.export import OrtGenerator
+    from kvexport.export.validation import load_reference_model, reference_generate
+
+    hf, out = exports(name)
+    gen = OrtGenerator(out)
+    ids = _prompt(MIN_BUCKET)
+    gen.prefill(ids, reserve=MIN_BUCKET + NEW - 1)
+    held = gen.cache["k_0"]
+    assert held.shape[2] == 2 * MIN_BUCKET
+    tok, got = np.asarray(gen.last_logits).argmax(-1), []
+    for _ in range(NEW - 1):
+        got.append(gen.decode(tok))
+        tok = got[-1].argmax(-1)
+    assert gen.cache["k_0"] is held  # never grown: the same buffer throughout
+    gen.prefill(ids, reserve=10 * MIN_BUCKET)  # more than twice the prompt: the prompt's own bucket
+    assert gen.cache["k_0"].shape[2] == MIN_BUCKET
+    s = gen.settings
+    ref = reference_generate(load_reference_model({"settings": s}, hf), s, None, ids, np.ones_like(ids), NEW)
+    want = torch.stack(ref.step_logits).numpy()[:, 0]
+    assert np.abs(np.stack(got)[:, 0] - want).max() <= 1e-4
+
+
 def test_capacity_axis_symbolic_for_full_caches_static_for_presses(exports, press_export):
     _, full = exports("llama")
     for graph in ("prefill", "decode"):
