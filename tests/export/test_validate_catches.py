@@ -29,7 +29,7 @@ def exported(tiny_models, tmp_path_factory):
 class EndPadded(OrtGenerator):
     """The last chunk's padding placed after its real columns, and the compaction told there is none."""
 
-    def prefill(self, input_ids, attention_mask=None):
+    def prefill(self, input_ids, attention_mask=None, reserve=None):
         ids = np.asarray(input_ids, np.int64)
         N, B = ids.shape[1], self.batch
         self.reset()
