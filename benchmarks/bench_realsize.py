@@ -150,6 +150,12 @@ class _Split:
         self._t.join()
 
 
+def _decode_p50s(p: dict) -> dict:
+    """A profile-onnxruntime.json -> {variant: [{context, decode_ms_p50}, ...]}."""
+    return {v: [{"context": r["context"], "decode_ms_p50": r.get("decode_ms_p50")} for r in d.get("contexts") or []]
+            for v, d in p["variants"].items()}
+
+
 def _child(a: argparse.Namespace) -> int:
     """Run one conversion with every stage measured; writes the shape's JSON to ``a.result``."""
     import cProfile
@@ -208,8 +214,7 @@ def _child(a: argparse.Namespace) -> int:
     prof = out / "profile-onnxruntime.json"
     if prof.is_file():
         p = json.loads(prof.read_text())
-        res["profile"] = {v: [{"context": r["context"], "decode_ms_p50": r.get("decode_ms_p50")}
-                              for r in d.get("contexts") or []] for v, d in p["variants"].items()}
+        res["profile"] = _decode_p50s(p)
         res["machine_load"] = p.get("machine_load")
     conv = json.loads((out / "convert.json").read_text())
     res["convert_stages"] = conv["stages"]
@@ -282,8 +287,7 @@ def decode_only(s: RealShape, a: argparse.Namespace, log) -> dict:
     p = json.loads(out.read_text())
     return {"date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "bandwidth": bw,
             "loadavg_start": list(load0), "loadavg_end": list(os.getloadavg()),
-            "profile": {v: [{"context": r["context"], "decode_ms_p50": r.get("decode_ms_p50")}
-                            for r in d.get("contexts") or []] for v, d in p["variants"].items()},
+            "profile": _decode_p50s(p),
             "machine_load": p.get("machine_load")}
 
 
