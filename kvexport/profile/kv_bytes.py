@@ -119,8 +119,12 @@ class CacheShape:
             return batch * int(context) * 8
         return batch * self.cache_heads() * sum(self.layer_slots(context)) * 8
 
-    def resident_bytes_at(self, context: int, batch: int = 1) -> dict[str, int]:
-        """Every byte held for ``batch`` sequences of ``context`` tokens while decoding, by kind, and ``total``."""
+    def resident_bytes_at(self, context: int, batch: int = 1, double_buffer: bool = False) -> dict[str, int]:
+        """Every byte held for ``batch`` sequences of ``context`` tokens while decoding, by kind, and ``total``.
+
+        ``double_buffer``: a growing past whose runtime keeps the next step's present in a second buffer of the
+        cache's size (kvexport's onnxruntime runner on CPU), counted in ``step_outputs``; without it the growing
+        past is counted as the cache a sequence keeps (the original model's, in the MLA accounting)."""
         out = {"kv": self.bytes_at(context, batch), "scales": self.scale_bytes_at(context, batch),
                "positions": self.index_bytes_at(context, batch), "queries": 0, "query_positions": 0}
         if self.evicting:
@@ -130,8 +134,9 @@ class CacheShape:
                 self.num_layers
             out["queries"] = batch * self.query_heads * self.window * sum(dims) * self.dtype_bytes
             out["query_positions"] = batch * self.window * 8
-        static = self.evicting or bool(self.capacity)  # a growing past gets fresh outputs each step instead
-        out["step_outputs"] = self.step_bytes(batch, 1) if static else 0
+        static = self.evicting or bool(self.capacity)  # a growing past returns a new present each step instead
+        out["step_outputs"] = self.step_bytes(batch, 1) if static else (self.bytes_at(context, batch) if double_buffer
+                                                                          else 0)
         out["logits"] = batch * self.vocab_size * self.dtype_bytes if static else 0
         out["staging"] = 0
         out["total"] = sum(out.values())
