@@ -30,6 +30,7 @@ import numpy as np
 
 from kvexport.atomic import atomic_write_bytes
 from kvexport.errors import BadArtifact, BadUsage, ParityFailure
+from kvexport.export.spill import StoredRuns
 from kvexport.export.twin import kept_sets, stacked_logits
 
 PARITY_FILE = "parity.json"
@@ -93,9 +94,10 @@ def _make_runner(name: str, batch: int, produce):
     return _Runner()
 
 
-def _generator_runner(generator, name: str, batch: int, known: dict | None = None):
+def _generator_runner(generator, name: str, batch: int, known=None):
     """A Polygraphy runner around any step generator (OrtGenerator, TrtGenerator): teacher-forced generation.
-    known: results already computed, by the bytes of (input_ids, attention_mask, forced tokens): a greedy run
+    known: results already computed (a dict or :class:`~kvexport.export.spill.StoredRuns`), by the bytes of
+    (input_ids, attention_mask, forced tokens): a greedy run
     forced with its own tokens is the same run, so it is reused instead of recomputed. ``generator`` None: every
     feed must be in ``known`` (the generator's sessions were closed after computing them)."""
     known = known if known is not None else {}
@@ -148,7 +150,7 @@ def reference_generate(decoder, settings: dict, press, ids, mask, n_new: int, fo
 
 
 def make_runners(decoder, press, settings: dict, generator, batch: int, name: str = "onnxruntime",
-                 rtol_ties: float = 1e-5, known: dict | None = None):
+                 rtol_ties: float = 1e-5, known=None):
     """(candidate runner, PyTorch reference runner) as Polygraphy runners; run the candidate first: the reference
     follows its choices at ties (:class:`~kvexport.export.ties.TieReferee`) and keeps the referee as ``.referee``."""
     from kvexport.export.ties import TieReferee
@@ -408,7 +410,7 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     tie_rtol = TIE_RTOL.get(s["dtype"], 1e-5)
     cand_name = getattr(gen, "backend", "onnxruntime")
     providers_used = list(gen.providers)
-    known: dict = {}
+    known = StoredRuns("kvexport-validate-")  # the candidate's logits wait on disk for the reference's
     feeds = []
     for k, (ids, mask) in enumerate(batches):
         say(f"parity: prompt {k + 1}/{len(batches)} ({int(mask.sum(-1).max())} tokens), {cand_name}")
@@ -459,6 +461,7 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     if fidelity and is_lossy(s.get("kv_dtype"), s["dtype"]):
         twin = twin_section(decoder, s, tokenizer, eval_data, fidelity_settings, say)
     # the reference (and the runners holding it) are done: free them before fidelity loads the original model
+    known.close()
     decoder = runners = cand_runner = ref_runner = known = trt_runner = trt_ref = None  # noqa: F841
     free_memory()
     labels = {"onnxruntime": f"onnxruntime:{providers_used[0]}", "tensorrt": "tensorrt", "pytorch": "pytorch"}
