@@ -124,6 +124,12 @@ class OrtGenerator:
                                  "fp16 / int8")
         if not self.dynamic:
             self._alloc()
+        else:
+            # growing past: (present output, past input) per cache tensor, and on CPU per past name
+            # [flat buffer the past is a view of, spare flat buffer the next present is written to]
+            self._cache_io = [(n, n.replace("present_", "past_")) for n in s["graphs"]["model"]["outputs"]
+                              if n.startswith("present_k") or n.startswith("present_v")]
+            self._pair: dict[str, list[np.ndarray]] = {}
         self.reset()
 
     def close(self) -> None:
@@ -415,9 +421,6 @@ class OrtGenerator:
                     shp[0], shp[2] = B, 0
                     self._past[inp.name] = np.zeros(shp, self.dtype)
             self._past_pos = np.zeros((B, 0), np.int64)
-            if not hasattr(self, "_pair"):
-                # past name -> [flat buffer the past is a view of, spare flat buffer the next present is written to]
-                self._pair: dict[str, list[np.ndarray]] = {}
         else:
             self._reset_buffers()
             self.state.reset()
@@ -592,7 +595,7 @@ class OrtGenerator:
     def _present_view(self, past_name: str, rows: int) -> np.ndarray:
         """The spare buffer of ``past_name`` as a (B, H, rows, D) array (grown by doubling when too small)."""
         B, H, _, D = self._past[past_name].shape
-        pair = self._pair.setdefault(past_name, [np.empty(0, self.dtype), np.empty(0, self.dtype)])
+        pair = self._pair[past_name]  # made by prefill (_hold_past)
         n = B * H * rows * D
         if pair[1].size < n:
             pair[1] = np.empty(max(n, 2 * pair[1].size), self.dtype)
@@ -612,24 +615,23 @@ class OrtGenerator:
                 io.bind_cpu_input(name, v)
             else:
                 io.bind_ortvalue_input(name, v)
-        cache_outs = [n for n in names if n.startswith("present_k") or n.startswith("present_v")]
         own = {}
         if self.device == "cpu":
             rows = int(self._past_pos.shape[1]) + int(ids.shape[1])
-            own = {n: self._present_view(n.replace("present_", "past_"), rows) for n in cache_outs}
+            own = {out: (past, self._present_view(past, rows)) for out, past in self._cache_io}
         for name in names:
             if name in own:
-                v = own[name]
+                v = own[name][1]
                 io.bind_output(name, "cpu", 0, v.dtype, list(v.shape), v.ctypes.data)
             else:
                 io.bind_output(name, self.device)
         sess.run_with_iobinding(io)
         outs = dict(zip(names, io.get_outputs(), strict=False))
-        for name, v in own.items():  # the spare now holds the past; the old past's buffer is the next spare
-            pair = self._pair[name.replace("present_", "past_")]
+        for name, (past, v) in own.items():  # the spare now holds the past; the old past's buffer is the next spare
+            pair = self._pair[past]
             pair[0], pair[1] = pair[1], pair[0]
             outs[name] = v
-        self._past = {n.replace("present_", "past_"): outs[n] for n in cache_outs}
+        self._past = {past: outs[out] for out, past in self._cache_io}
         self._past_pos = outs["present_positions"].numpy()
         logits = outs["logits"].numpy()
         return logits[:, -1] if logits.ndim == 3 else logits

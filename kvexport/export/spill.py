@@ -64,12 +64,6 @@ class StoredRuns:
         light.prompt_logits, light.step_logits = None, []
         self._runs[key] = (light, self._logits.append(stacked))
 
-    def __contains__(self, key) -> bool:
-        return key in self._runs
-
-    def __len__(self) -> int:
-        return len(self._runs)
-
     def get(self, key, default=None):
         hit = self._runs.get(key)
         if hit is None:
