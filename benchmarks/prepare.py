@@ -27,8 +27,9 @@ def default_cache() -> Path:
 
 RUN_ONLY_FIELDS = ("max_context",)  # Shape fields that change what is timed, not what is built
 #: part of every kvexport export's cache key: bumped when the same settings export different graphs
-#: (2: full caches take their capacity axis as a dynamic dimension, held in buckets)
-EXPORT_LAYOUT = 2
+#: (2: full caches take their capacity axis as a dynamic dimension, held in buckets; 3: large and bucketed caches
+#: read in two parts by MLA too: the cache buffer goes to LatentAttention as it is, with new_latent)
+EXPORT_LAYOUT = 3
 
 
 def _key(d: dict) -> str:

@@ -42,7 +42,7 @@ from torch import nn
 
 from kvexport.cache.quant import QuantizedRows
 from kvexport.mla.config import MLALayerPlan
-from kvexport.models.attention import RMSNorm, grouped_attention
+from kvexport.models.attention import RMSNorm, grouped_attention, reads_in_parts
 from kvexport.models.rope import Rotary
 from kvexport.models.spec import ModelSpec
 
@@ -186,10 +186,18 @@ class MLAAttention(nn.Module):
         lat_new = self.latent(h, positions)  # (B, 1, T, R + Dr)
         if isinstance(past_k, QuantizedRows):  # the codes go to the op as they are: (B, 1, S, R + Dr) uint8
             q = self.score_rotary.apply(self.score_queries(q_pre), positions)  # (B, Hq, T, R + Dr)
-            o_lat = latent_attention(q, past_k.codes, positions, past_pos[:, 0], self.kv_rank, self.scaling,
-                                     lat_new[:, 0], past_k.scale[:, 0], past_k.format_code)  # (B, Hq, T, R)
+            o_lat = latent_attention(q, past_k.codes, positions, past_pos.squeeze(1), self.kv_rank, self.scaling,
+                                     lat_new[:, 0], past_k.scale.squeeze(1), past_k.format_code)  # (B, Hq, T, R)
             out = self.absorbed_out(o_lat)
             out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+            return self.o_proj(out), lat_new, lat_new.new_zeros(B, 1, T, 0), q_pre
+        if self.absorb and reads_in_parts(past_k, past_v):  # a large or bucketed cache: no copy of it per step
+            # the cache buffer goes to the op as it is, (B, 1, S, R + Dr), and its positions squeezed (a view): an
+            # index past_k[:, 0] is exported as a Gather, which copies the whole cache
+            q = self.score_rotary.apply(self.score_queries(q_pre), positions)
+            o_lat = latent_attention(q, past_k, positions, past_pos.squeeze(1), self.kv_rank, self.scaling,
+                                     lat_new[:, 0])
+            out = self.absorbed_out(o_lat).transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
             return self.o_proj(out), lat_new, lat_new.new_zeros(B, 1, T, 0), q_pre
         lat = torch.cat([past_k, lat_new], dim=2)[:, 0]  # (B, S, R + Dr)
         pos = torch.cat([past_pos, positions[:, None, :]], dim=2)[:, 0]  # (B, S)

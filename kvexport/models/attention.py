@@ -84,6 +84,16 @@ def grouped_attention(
 CONCAT_LIMIT_BYTES = 512 << 10
 
 
+def reads_in_parts(k_past: torch.Tensor, v_past: torch.Tensor) -> bool:
+    """Whether attention reads the cache and this step's tokens as two parts (True) or concatenates them (False):
+    a cache of a symbolic length (a bucketed full cache), or one above :data:`CONCAT_LIMIT_BYTES` per sequence. The
+    one rule for GQA (:func:`attention`) and MLA (LatentAttention's ``new_latent``)."""
+    if isinstance(k_past.shape[2], torch.SymInt):
+        return True
+    cached = k_past[0].numel() * k_past.element_size() + v_past[0].numel() * v_past.element_size()
+    return cached * k_past.shape[0] > CONCAT_LIMIT_BYTES
+
+
 def attention(q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos, scaling: float,
               sliding_window: int | None = None) -> torch.Tensor:
     """Attention of q (B, Hq, T, Dk) over the past (B, Hc, S, .) and this step's tokens (B, Hc, T, .).
@@ -94,13 +104,9 @@ def attention(q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos, scaling
     cache whose length is a symbolic dimension (a bucketed full cache, traced with a dynamic capacity axis) is
     read as two parts: its size is not known when the graph is made.
     """
-    if isinstance(k_past.shape[2], torch.SymInt):
-        return attention_over_parts(q, [(k_past, v_past, pos_past), (k_new, v_new, pos_new)], q_pos, scaling,
-                                    sliding_window)
-    if k_past.shape[2] == 0:
+    if not isinstance(k_past.shape[2], torch.SymInt) and k_past.shape[2] == 0:
         return attention_over_parts(q, [(k_new, v_new, pos_new)], q_pos, scaling, sliding_window)
-    cached = k_past[0].numel() * k_past.element_size() + v_past[0].numel() * v_past.element_size()
-    if cached * k_past.shape[0] > CONCAT_LIMIT_BYTES:
+    if reads_in_parts(k_past, v_past):
         return attention_over_parts(q, [(k_past, v_past, pos_past), (k_new, v_new, pos_new)], q_pos, scaling,
                                     sliding_window)
     out, _ = grouped_attention(q, torch.cat([k_past, k_new], dim=2), torch.cat([v_past, v_new], dim=2), q_pos,

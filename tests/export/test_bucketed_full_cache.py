@@ -130,6 +130,42 @@ def test_capacity_axis_symbolic_for_full_caches_static_for_presses(exports, pres
         assert dims["k_0"] == [1, 2, 16, 16] and dims["pos_0"] == [1, 2, 16]
 
 
+@pytest.mark.parametrize("name", ["llama", "llama-mla"])
+def test_decode_reads_the_cache_without_copying_it(exports, name):
+    """A full-cache decode step must not copy its past (issue 15): no node but the attention products (GQA: MatMul,
+    the keys after a Transpose of their last two axes, which onnxruntime folds into the product; MLA:
+    LatentAttention, given the cache buffer itself and this step's rows as ``new_latent``): no Concat, Gather or
+    Where copies the cache."""
+    _, out = exports(name)
+    m = onnx.load(str(out / "decode.onnx"), load_external_data=False)
+    cache = {i.name for i in m.graph.input if i.name.startswith(("k_", "v_"))}
+    readers = {}
+    for n in m.graph.node:
+        for i in n.input:
+            if i in cache:
+                readers.setdefault(i, []).append(n)
+    assert set(readers) == ({c for c in cache if c.startswith("k_")} if name.endswith("mla") else cache)
+    if name.endswith("mla"):  # the latent cache (B, 1, S, R + Dr) itself, this step's rows as new_latent
+        for k, nodes in readers.items():
+            assert [(n.op_type, list(n.input).index(k), len(n.input)) for n in nodes] == [("LatentAttention", 1, 5)]
+        return
+    users = {}
+    for n in m.graph.node:
+        for i in n.input:
+            users.setdefault(i, []).append(n)
+    products = 0
+    for k, nodes in readers.items():
+        node = nodes[0]
+        assert len(nodes) == 1
+        if node.op_type == "Transpose":  # of the last two axes only: folded into the MatMul (FusedMatMul transB)
+            perm = list(next(a for a in node.attribute if a.name == "perm").ints)
+            assert perm == [*range(len(perm) - 2), len(perm) - 1, len(perm) - 2], (k, perm)
+            (node,) = users[node.output[0]]
+        assert node.op_type == "MatMul", (k, node.op_type)
+        products += 1
+    assert products == len(cache)
+
+
 def test_resident_bytes_are_the_buckets(exports):
     from kvexport.export import OrtGenerator
     from kvexport.profile.kv_bytes import CacheShape
