@@ -106,11 +106,30 @@ def checkpoint(s: RealShape, cache: Path) -> Path:
 
 
 # ----------------------------------------------------------------------------- the measured child
-def _status_kb(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
+def _status_kb(key: str, pid: int | str = "self") -> int:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:  # a child that has just ended
+        return 0
+    for line in text.splitlines():
         if line.startswith(key + ":"):
             return int(line.split()[1])
     return 0
+
+
+def _descendants(pid: int | str = "self") -> list[int]:
+    """Every live process below ``pid`` (a stage may run part of its work in a child: convert's export)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*/children") if Path(f"/proc/{p}/task").is_dir() else ():
+            try:
+                kids = [int(k) for k in task.read_text().split()]
+            except OSError:
+                continue
+            out.extend(kids)
+            todo.extend(kids)
+    return out
 
 
 def _reset_peak() -> None:
@@ -119,8 +138,10 @@ def _reset_peak() -> None:
 
 
 class _Split:
-    """Samples RssAnon and RssFile every 20 ms (VmHWM does not split them): the peak of each and their split at the
-    sampled peak of their sum, so a stage's peak says how much of it is file pages the kernel may drop."""
+    """Samples RssAnon and RssFile every 20 ms (VmHWM does not split them), summed over this process and every
+    process below it (a child's memory is the conversion's too; the file pages of the libraries both map count
+    twice): the peak of each and their split at the sampled peak of their sum, so a stage's peak says how much of it
+    is file pages the kernel may drop."""
 
     def __init__(self):
         import threading
@@ -129,7 +150,8 @@ class _Split:
         self._t = threading.Thread(target=self._run, daemon=True)
 
     def _sample(self) -> tuple[int, int]:
-        return _status_kb("RssAnon") * 1024, _status_kb("RssFile") * 1024
+        pids = ["self", *_descendants()]
+        return (sum(_status_kb("RssAnon", p) for p in pids) * 1024, sum(_status_kb("RssFile", p) for p in pids) * 1024)
 
     def _run(self) -> None:
         best = -1
@@ -186,7 +208,10 @@ def _child(a: argparse.Namespace) -> int:
                     prof.disable()
                     prof.dump_stats(str(Path(a.out) / f"{a.shape}-{_name}.pstats"))
                 measured[_name] = {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
-                                   "peak_rss": _status_kb("VmHWM") * 1024, "end_rss": _status_kb("VmRSS") * 1024,
+                                   # the sampled sum when a child ran (VmHWM is this process's alone)
+                                   "peak_rss": max(_status_kb("VmHWM") * 1024, split.peak.get("anon_at_peak", 0)
+                                                   + split.peak.get("file_at_peak", 0)),
+                                   "end_rss": _status_kb("VmRSS") * 1024,
                                    **{f"sampled_{k}": v for k, v in split.peak.items()}}
                 if a.stage_log:  # each stage as it ends: a run cut short still tells its finished stages' peaks
                     with open(a.stage_log, "a") as fh:

@@ -1,45 +1,66 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The convert stages' calls into kvexport.export: the converted export and the baseline."""
+"""The convert stages' calls into kvexport.export: the converted export and the baseline, in this process or in a
+child (:data:`CHILD_EXPORT_BYTES`)."""
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import Any
 
 from kvexport.convert import layout
 
-
-def _kwargs(fn, **kw) -> dict[str, Any]:
-    """Only the keyword arguments ``fn`` accepts (keeps convert working across small API changes)."""
-    params = inspect.signature(fn).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return kw
-    return {k: v for k, v in kw.items() if k in params}
+#: checkpoints at least this large (bytes, in their own dtype) are exported in a child process (kvexport.convert.isolate):
+#: the exporter's libraries and graphs leave ≈ 0.2-0.35 GB in the process that exports (a 12- to 28-layer Qwen3), which
+#: validate and profile would otherwise start with; below it, starting a process costs more time than it saves memory
+CHILD_EXPORT_BYTES = 256 * 2**20
 
 
-def export_converted(st) -> Path:
-    """DIR/onnx: the MLA decoder (when rewritten) or the source model, with the press's static cache."""
-    from kvexport.export import export_model
+def export_in_child(st) -> bool:
+    """Whether this conversion's exports run in a child process (:data:`CHILD_EXPORT_BYTES`)."""
+    return int(st.notes.get("weight_bytes") or 0) >= CHILD_EXPORT_BYTES
 
+
+def converted_job(st, in_memory: bool = True) -> tuple[Any, Path, dict[str, Any]]:
+    """(model, out, export_model keywords) of DIR/onnx: the MLA decoder (when rewritten) or the source model, with
+    the press's static cache. ``in_memory=False`` names the saved MLA directory instead of the decoder in memory
+    (for a child process: the same weights, memory-mapped)."""
     cfg = st.cfg
-    model = st.mla_decoder if st.mla_decoder is not None else st.model_path
+    mla_dir = st.work / layout.MLA_DIR
+    if not cfg.uses_mla:
+        model, source = st.model_path, None
+    elif in_memory and st.mla_decoder is not None:
+        model, source = st.mla_decoder, mla_dir
+    else:  # written by the rewrite (or distill) stage
+        model, source = mla_dir, None
     press = cfg.press if cfg.uses_press else None
-    kw = _kwargs(export_model, press=press, budget=cfg.budget if press else None,
-                 window=cfg.window if press else 32, chunk=cfg.chunk, dtype="fp16" if cfg.fp16 else "fp32",
-                 ops="custom", force=False, max_positions=cfg.max_positions, kv_dtype=cfg.kv_dtype,
-                 source=st.work / layout.MLA_DIR if st.mla_decoder is not None else None,
-                 tokenizer_dir=st.model_path, original=st.model_path, progress=getattr(st, "progress", None))
-    return export_model(model, st.work / layout.ONNX_DIR, **kw)
+    kw = dict(press=press, budget=cfg.budget if press else None, window=cfg.window if press else 32, chunk=cfg.chunk,
+              dtype="fp16" if cfg.fp16 else "fp32", ops="custom", force=False, max_positions=cfg.max_positions,
+              kv_dtype=cfg.kv_dtype, source=source, tokenizer_dir=st.model_path, original=st.model_path)
+    return model, st.work / layout.ONNX_DIR, kw
 
 
-def export_baseline(st) -> Path:
-    """DIR/baseline: the original model, full cache with a growing past (``--press none --dynamic-cache``)."""
+def baseline_job(st) -> tuple[Any, Path, dict[str, Any]]:
+    """(model, out, export_model keywords) of DIR/baseline: the original model, full cache with a growing past
+    (``--press none --dynamic-cache``)."""
+    kw = dict(press=None, chunk=st.cfg.chunk, dtype="fp16" if st.cfg.fp16 else "fp32", dynamic_cache=True,
+              ops="custom", force=False)
+    return st.model_path, st.work / layout.BASELINE_DIR, kw
+
+
+def run_jobs(jobs: list[tuple[Any, Path, dict[str, Any]]], progress=None) -> list[str]:
+    """Export each (model, out, keywords) in turn, memory given back after each; -> the output directories.
+    What :func:`kvexport.convert.isolate.call_in_child` runs (module level, plain arguments)."""
+    from kvexport.cli import quiet_libraries
     from kvexport.export import export_model
+    from kvexport.models.loading import free_memory
 
-    kw = _kwargs(export_model, press=None, chunk=st.cfg.chunk, dtype="fp16" if st.cfg.fp16 else "fp32",
-                 dynamic_cache=True, ops="custom", force=False, progress=getattr(st, "progress", None))
-    return export_model(st.model_path, st.work / layout.BASELINE_DIR, **kw)
+    quiet_libraries()  # in a child process too: no library progress bars between the stage lines
+    outs = []
+    for model, out, kw in jobs:
+        outs.append(str(export_model(model, out, progress=progress, **kw)))
+        del model
+        free_memory()
+    return outs
 
 
-__all__ = ["export_converted", "export_baseline"]
+__all__ = ["CHILD_EXPORT_BYTES", "export_in_child", "converted_job", "baseline_job", "run_jobs"]

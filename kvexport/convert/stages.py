@@ -204,19 +204,29 @@ def stage_distill(st: ConvertState) -> str:
 
 
 def stage_export(st: ConvertState) -> str:
-    from kvexport.convert.exporting import export_baseline, export_converted
+    """DIR/onnx (+ DIR/baseline). A large checkpoint is exported in a child process (kvexport.convert.isolate),
+    from the saved MLA directory: what the exporter leaves behind goes with the child, not into validate's peak."""
+    from kvexport.convert.exporting import baseline_job, converted_job, export_in_child, run_jobs
 
-    export_converted(st)
-    # validate and profile load what they compare from disk: the converted model is not needed in memory again
-    release(st, "mla_decoder")
+    if export_in_child(st):
+        from kvexport.convert.isolate import call_in_child
+
+        jobs = [converted_job(st, in_memory=False)] + ([baseline_job(st)] if st.cfg.baseline else [])
+        release(st, "mla_decoder")  # saved in DIR/mla: the child maps it from there
+        call_in_child(run_jobs, jobs, progress=st.progress, what="export")
+    else:
+        run_jobs([converted_job(st)], progress=st.progress)
+        # validate and profile load what they compare from disk: the converted model is not needed in memory again
+        release(st, "mla_decoder")
+        if st.cfg.baseline:
+            run_jobs([baseline_job(st)], progress=st.progress)
+            # the baseline's HF model is garbage held in reference cycles: collected now, its mapped checkpoint pages
+            # leave with it instead of staying resident beside validate's models (+1 W on the 385M shape)
+            release(st)
     msg = f"{_dir_size(st.work / layout.ONNX_DIR) / 2**20:.1f} MiB"
     if st.cfg.baseline:
-        export_baseline(st)
         msg += f"; baseline {_dir_size(st.work / layout.BASELINE_DIR) / 2**20:.1f} MiB"
-        # the baseline's HF model is garbage held in reference cycles: collected now, its mapped checkpoint pages
-        # leave with it instead of staying resident beside validate's models (+1 W on the 385M shape)
-        release(st)
-    return msg
+    return msg + ("; in a child process" if export_in_child(st) else "")
 
 
 def stage_engine(st: ConvertState) -> str:
