@@ -208,7 +208,8 @@ def stage_export(st: ConvertState) -> str:
     from the saved MLA directory: what the exporter leaves behind goes with the child, not into validate's peak."""
     from kvexport.convert.exporting import baseline_job, converted_job, export_in_child, run_jobs
 
-    if export_in_child(st):
+    child = export_in_child(st)
+    if child:
         from kvexport.convert.isolate import call_in_child
 
         jobs = [converted_job(st, in_memory=False)] + ([baseline_job(st)] if st.cfg.baseline else [])
@@ -226,7 +227,7 @@ def stage_export(st: ConvertState) -> str:
     msg = f"{_dir_size(st.work / layout.ONNX_DIR) / 2**20:.1f} MiB"
     if st.cfg.baseline:
         msg += f"; baseline {_dir_size(st.work / layout.BASELINE_DIR) / 2**20:.1f} MiB"
-    return msg + ("; in a child process" if export_in_child(st) else "")
+    return msg + ("; in a child process" if child else "")
 
 
 def stage_engine(st: ConvertState) -> str:

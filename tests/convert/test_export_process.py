@@ -36,11 +36,10 @@ def _graphs(d: Path) -> dict[str, bytes]:
     return out
 
 
-def test_child_export_equals_the_in_process_one(tiny_hf_dir, tmp_path, monkeypatch, capsys):
+def test_child_export_equals_the_in_process_one(tiny_hf_dir, tmp_path, monkeypatch):
     inline, child = tmp_path / "inline", tmp_path / "child"
     assert main(["convert", str(tiny_hf_dir), "--out", str(inline), "--no-validate", *ARGS]) == 0
     monkeypatch.setattr(exporting, "CHILD_EXPORT_BYTES", 0)  # every checkpoint counts as large
-    parent_pid = os.getpid()
     seen = []
     real = call_in_child
 
@@ -63,7 +62,6 @@ def test_child_export_equals_the_in_process_one(tiny_hf_dir, tmp_path, monkeypat
         assert a.keys() == b.keys() and len(a) >= 3
         for name in a:
             assert a[name] == b[name], f"{kind}/{name} differs between the child's export and the in-process one"
-    assert os.getpid() == parent_pid
 
 
 # ----------------------------------------------------------------------------- the helper itself
@@ -100,7 +98,7 @@ def test_progress_result_and_errors_come_back():
     assert any("raised in the test process" in n and "_refuse" in n for n in e.value.__notes__)
     with pytest.raises(ChildFailed, match="_Unpicklable: a lock inside"):
         call_in_child(_raise_unpicklable, what="test")
-    with pytest.raises(ChildFailed, match="exit status (9|-9)"):
+    with pytest.raises(ChildFailed, match="exit status 9 "):
         call_in_child(_die, what="test")
 
 
