@@ -35,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def build(mla: bool):
+def build(mla: bool, equalize: bool = False):
     from kvexport.convert.config import default_mla_rank, default_rope_dim
     from kvexport.mla.config import MLASettings, max_kv_rank
     from kvexport.models.loading import load_decoder, load_tokenizer
@@ -51,8 +51,8 @@ def build(mla: bool):
         rope = default_rope_dim(sp.head_dim)
         rank = default_mla_rank(sp.num_kv_heads, sp.head_dim, rope,
                                 max_rank=max_kv_rank(sp.hidden_size, sp.num_kv_heads, sp.head_dim, rope))
-        dec = rewrite_to_mla(dec, MLASettings(kv_rank=rank, rope_dim=rope))
-        info["mla"] = {"kv_rank": rank, "rope_dim": rope, "distilled": False}
+        dec = rewrite_to_mla(dec, MLASettings(kv_rank=rank, rope_dim=rope, equalize_latent=equalize))
+        info["mla"] = {"kv_rank": rank, "rope_dim": rope, "distilled": False, "equalize_latent": equalize}
     return dec.eval(), tok, info
 
 
@@ -98,6 +98,11 @@ def main(argv=None) -> None:
                          "--budget; the studies' task set: 192:32, where budget 1024 evicts nothing; 192:32:64 "
                          "evicts two thirds; code_recall's filler fits up to ~1400 tokens); none: skip")
     ap.add_argument("--configs", nargs="+", default=["mla+press", "press", "mla"])
+    ap.add_argument("--formats", nargs="+", default=None,
+                    help="cache formats of every config (default: int8 and fp8 for mla+press, int8 otherwise; fp16 / "
+                         "bf16 show how agreement falls with the rounding error)")
+    ap.add_argument("--equalize", choices=("auto", "on", "off"), default="auto",
+                    help="MLA latent equalization (MLASettings.equalize_latent): auto = as convert does (int8 only)")
     ap.add_argument("--recall-configs", nargs="+", default=["mla+press", "press"])
     ap.add_argument("--out", default=str(ROOT / "docs" / "quantized_results.json"))
     args = ap.parse_args(argv)
@@ -112,25 +117,40 @@ def main(argv=None) -> None:
     results: dict = {"settings": {k.replace("_", "-"): v for k, v in vars(args).items() if k != "out"},
                      "threads": torch.get_num_threads(), "configs": {}}
     t_all = time.perf_counter()
+    def equalized(cfg: str, kvd: str) -> bool:
+        return cfg.startswith("mla") and (args.equalize == "on" or (args.equalize == "auto" and kvd == "int8"))
+
     for cfg in args.configs:
-        dec, tok, info = build(cfg.startswith("mla"))
-        wins = heldout_windows(tok, args.windows, args.context + args.steps + 1)
-        if wins.shape[0] < args.windows:
-            raise SystemExit(f"only {wins.shape[0]} held-out windows of {args.context} tokens")
+        fmts = tuple(args.formats or formats[cfg])
 
         def press_factory():
             return make_press(args.press, budget=args.budget)
 
         evicts = cfg != "mla"
         factory = press_factory if evicts else None
-
-        entry: dict = {**info, "press": args.press if evicts else None, "budget": args.budget if evicts else None,
+        entry: dict = {"press": args.press if evicts else None, "budget": args.budget if evicts else None,
                        "window": args.window if evicts else None, "chunk": args.chunk, "twin": {}}
         t0 = time.perf_counter()
-        entry["twin"] = twin_compare_many(dec, wins, args.context, args.steps, formats[cfg], factory,
-                                          window=args.window, chunk=args.chunk, batch=args.windows, progress=print,
-                                          capacity=None if evicts else args.context + args.steps)
+        models = {}
+        for eq in sorted({equalized(cfg, k) for k in fmts}):  # one rewrite per latent basis
+            dec, tok, info = build(cfg.startswith("mla"), eq)
+            models[eq] = dec
+            wins = heldout_windows(tok, args.windows, args.context + args.steps + 1)
+            if wins.shape[0] < args.windows:
+                raise SystemExit(f"only {wins.shape[0]} held-out windows of {args.context} tokens")
+            entry.update({k: v for k, v in info.items() if k != "mla"})
+            entry["mla"] = None if info["mla"] is None else {k: v for k, v in info["mla"].items()
+                                                             if k != "equalize_latent"}
+            part = twin_compare_many(dec, wins, args.context, args.steps,
+                                     tuple(k for k in fmts if equalized(cfg, k) == eq), factory, window=args.window,
+                                     chunk=args.chunk, batch=args.windows, progress=print,
+                                     capacity=None if evicts else args.context + args.steps)
+            for kvd, r in part.items():
+                entry["twin"][kvd] = {**r, "equalize_latent": eq}
+        entry["twin"] = {k: entry["twin"][k] for k in fmts}
         entry["twin_seconds"] = round(time.perf_counter() - t0, 1)
+        dec = models[equalized(cfg, "int8")] if equalized(cfg, "int8") in models else next(iter(models.values()))
+        models.clear()
         for kvd, r in entry["twin"].items():
             print(f"{cfg} {kvd}: agreement {r['next_token_agreement']:.4f} KL {r['mean_kl']:.2e} "
                   f"max|dlogit| {r['max_abs_logit_diff']:.3f} kept equal {r['kept_agreement']} overlap {r['kept_overlap']} ({entry['twin_seconds']} s)",

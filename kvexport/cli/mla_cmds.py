@@ -23,11 +23,13 @@ FIT_HELP = "Latent fit: wpca (query/output-weighted PCA on --calib, default), pc
 HORIZON_HELP = "Relative distances (tokens) the RoPE components are scored and the dropped ones averaged over."
 
 
-def _settings(mla_rank, mla_energy, rope_dim, rope_init=None, q_rank=None, naive=False, kv_fit=None, horizon=None):
+def _settings(mla_rank, mla_energy, rope_dim, rope_init=None, q_rank=None, naive=False, kv_fit=None, horizon=None,
+              equalize=False):
     from kvexport.mla.config import MLASettings
 
     kw = {k: v for k, v in (("rope_init", rope_init), ("kv_fit", kv_fit), ("rope_horizon", horizon)) if v is not None}
-    return MLASettings(kv_rank=mla_rank, energy=mla_energy, rope_dim=rope_dim, q_rank=q_rank, absorb=not naive, **kw)
+    return MLASettings(kv_rank=mla_rank, energy=mla_energy, rope_dim=rope_dim, q_rank=q_rank, absorb=not naive,
+                       equalize_latent=equalize, **kw)
 
 
 def _calibration(path: Optional[Path], tokenizer, vocab: int):
@@ -83,6 +85,10 @@ def rewrite_cmd(
     q_rank: Optional[int] = typer.Option(None, "--q-rank", help="Low-rank query r_q (default: full W_Q)."),
     calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text (default: seeded random token ids)."),
     naive: bool = typer.Option(False, "--naive", help="Use the decompressed attention path (default: absorbed)."),
+    equalize_latent: bool = typer.Option(
+        False, "--equalize-latent",
+        help="Rescale each latent channel and RoPE pair to the same calibration maximum (exact; for an int8 cache, "
+             "which convert/export --kv-dtype int8 do themselves)."),
     dtype: str = typer.Option("fp32", help="fp32, fp16 or bf16."),
 ) -> None:
     """Rewrite a GQA/MHA model into MLA (X-EcoMLA SVD init) and save it as a kvexport MLA directory."""
@@ -94,7 +100,8 @@ def rewrite_cmd(
     from kvexport.mla.rewrite import rewrite_to_mla
     from kvexport.models.loading import load_decoder, load_tokenizer
 
-    settings = _settings(mla_rank, mla_energy, rope_dim, rope_init, q_rank, naive, kv_fit, rope_horizon)
+    settings = _settings(mla_rank, mla_energy, rope_dim, rope_init, q_rank, naive, kv_fit, rope_horizon,
+                         equalize_latent)
     spec, mla_cfg, _ = _spec_of(model)
     if mla_cfg is not None:
         raise BadUsage(f"{model} is already an MLA model")

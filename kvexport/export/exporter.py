@@ -85,8 +85,9 @@ def _is_mla(decoder) -> bool:
                for layer in decoder.layers)
 
 
-def resolve_decoder(model, dtype: str, mla_rank: int | None, rope_dim: int | None):
-    """model (HF dir, HF model or kvexport Decoder) -> (Decoder in dtype, source dir or None, model hash, mla dict)."""
+def resolve_decoder(model, dtype: str, mla_rank: int | None, rope_dim: int | None, equalize_latent: bool = False):
+    """model (HF dir, HF model or kvexport Decoder) -> (Decoder in dtype, source dir or None, model hash, mla dict);
+    with ``mla_rank`` rewritten to MLA (``equalize_latent``: :attr:`MLASettings.equalize_latent`)."""
     from kvexport.models.decoder import Decoder
     from kvexport.models.loading import load_hf_model
 
@@ -114,7 +115,7 @@ def resolve_decoder(model, dtype: str, mla_rank: int | None, rope_dim: int | Non
         from kvexport.mla.config import MLASettings
         from kvexport.mla.rewrite import rewrite_to_mla
 
-        kw = {"kv_rank": int(mla_rank)}
+        kw = {"kv_rank": int(mla_rank), "equalize_latent": bool(equalize_latent)}
         if rope_dim is not None:
             kw["rope_dim"] = int(rope_dim)
         settings = MLASettings(**kw)
@@ -520,7 +521,8 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
     p = resolve_press(press, budget, ratio)
     if dynamic_cache and p is not None:
         raise BadUsage("--dynamic-cache is the full-cache baseline; it takes --press none")
-    dec, src, model_hash, mla = resolve_decoder(model, dtype, mla_rank, rope_dim)
+    # an int8 cache gets an equalized latent, as in convert (MLASettings.equalize_latent)
+    dec, src, model_hash, mla = resolve_decoder(model, dtype, mla_rank, rope_dim, equalize_latent=kv_dtype == "int8")
     if source is not None:
         if src is not None:
             raise BadUsage("source= is for an in-memory model; a model directory is its own source")

@@ -248,9 +248,11 @@ def load_reference_model(manifest: dict, model=None, root=None):
     src = model if model is not None else check_reference_source(manifest, root)
     mla = s.get("mla")
     rank = rope = None
+    equalize = False
     if mla is not None and mla.get("rewritten_by_export") and not _is_decoder_mla(src):
         rank, rope = mla["settings"].get("kv_rank"), mla["settings"].get("rope_dim")
-    dec, _, model_hash, _ = resolve_decoder(src, s["dtype"], rank, rope)
+        equalize = bool(mla["settings"].get("equalize_latent", False))
+    dec, _, model_hash, _ = resolve_decoder(src, s["dtype"], rank, rope, equalize)
     if model is None and model_hash != manifest.get("model_hash"):
         raise BadArtifact(f"the source model {src} changed since the export (hash differs); re-export it")
     return dec

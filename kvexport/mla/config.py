@@ -44,6 +44,11 @@ class MLASettings:
     kv_fit: see :data:`KV_FITS`.
     q_rank: optional low-rank query (SVD of W_Q to r_q); None keeps W_Q full.
     absorb: attention path: True = absorbed (W_UK folded into the query, what is exported), False = naive.
+    equalize_latent: rescale each latent channel, and each RoPE pair of the latent row, to the same largest
+    magnitude on the calibration inputs (``kvexport.mla.rewrite.equalize_latent``); exact (the scales are folded
+    into the down- and up-projections), it shrinks the rounding of an int8 cache's small channels, which a
+    per-row scale sizes by the largest. ``kvexport convert`` / ``export`` turn it on for an int8 cache
+    (docs/quantized.md).
     """
 
     kv_rank: int | None = None
@@ -55,6 +60,7 @@ class MLASettings:
     kv_fit: str = KV_FITS[0]
     q_rank: int | None = None
     absorb: bool = True
+    equalize_latent: bool = False
 
     def __post_init__(self):
         if (self.kv_rank is None) == (self.energy is None):

@@ -153,7 +153,39 @@ def plan_layer(attn: GQAAttention, settings: MLASettings, x: torch.Tensor | None
     out["o_proj.weight"], ob = _lin(attn.o_proj)
     if ob is not None:
         out["o_proj.bias"] = ob
+    if settings.equalize_latent:
+        equalize_latent(out, u)
     return MLALayerPlan(kv_rank=r, rope_pairs=rp.pairs, q_rank=settings.q_rank), out
+
+
+def equalize_latent(w: dict[str, torch.Tensor], u: torch.Tensor) -> torch.Tensor:
+    """Rescale one layer's latent row ``[c_kv ; k_pe]`` in place of its weights ``w`` (plan_layer's dict): channel j
+    of c_kv is divided by m_j = max |c_j| over the calibration inputs u (N, U), and RoPE pair p of k_pe (channels
+    p and p + d_rope / 2, which RoPE rotates together) by the largest norm of the pair, which RoPE leaves unchanged;
+    kv_b_proj's columns and q_rope's rows are multiplied by the same m, so every logit, value and output is
+    unchanged (up to rounding), and so are the scores of the presses that read keys through queries (SnapKV, TOVA,
+    ExpectedAttention, PyramidKV); KNorm and KeyDiff read the rescaled rows.
+
+    Why: an int8 row shares one scale, absmax(row) / 127, among channels whose magnitudes differ by up to 20x
+    (the PCA spectrum, and RoPE pairs that carry most of the positional attention), so the small channels were
+    rounded with a step of a tenth of their size. -> m (r_kv + d_rope,) float64.
+    """
+    r = w["kv_a_proj.weight"].shape[0]
+    c = u @ w["kv_a_proj.weight"].T  # (N, r)
+    k_pe = u @ w["k_rope_proj.weight"].T + (w["k_rope_proj.bias"] if "k_rope_proj.bias" in w else 0)
+    half = k_pe.shape[1] // 2
+    pair = (k_pe[:, :half].square() + k_pe[:, half:].square()).sqrt().amax(0)
+    m = torch.cat([c.abs().amax(0), pair, pair])
+    top = float(m.max())
+    # a channel below 1e-4 of the largest is rounded to 0 by any row scale: floored there, not blown up; all dead: 1
+    m = m.clamp(min=1e-4 * top) if top > 0 else torch.ones_like(m)
+    w["kv_a_proj.weight"] = w["kv_a_proj.weight"] / m[:r, None]
+    w["kv_b_proj.weight"] = w["kv_b_proj.weight"] * m[None, :r]
+    w["k_rope_proj.weight"] = w["k_rope_proj.weight"] / m[r:, None]
+    if "k_rope_proj.bias" in w:
+        w["k_rope_proj.bias"] = w["k_rope_proj.bias"] / m[r:]
+    w["q_rope"] = w["q_rope"] * m[None, r:, None]  # (Hq, d_rope, D): q_pe_j = q_rope[:, j] · q
+    return m
 
 
 def _block_weights(kv_fit: str, q: torch.Tensor, attn, G: int) -> tuple[torch.Tensor, torch.Tensor]:

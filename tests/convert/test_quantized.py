@@ -33,6 +33,8 @@ def test_export_is_int8_and_parity_is_against_the_int8_cache(converted):
     assert cj["settings"]["kv_dtype"] == "int8"
     manifest = json.loads((out / "onnx" / "manifest.json").read_text())
     assert manifest["settings"]["kv_dtype"] == "int8"
+    # the MLA rewrite equalized the latent for the int8 cache (MLASettings.equalize_latent), recorded with it
+    assert json.loads((out / "mla" / "kvexport_mla.json").read_text())["settings"]["equalize_latent"] is True
     parity = json.loads((out / "parity.json").read_text())
     pair = parity["pairs"]["pytorch~onnxruntime"]
     # same codes on both sides: the export equals the int8 PyTorch cache (an fp32 reference would differ by ~1e-2)

@@ -74,6 +74,8 @@ def test_export_equals_pytorch_quantized_cache(tiny_models, tmp_path, family, ex
                        ops=ops, **mla_kw, **size)
     s = verify_manifest(out)["settings"]
     assert s["kv_dtype"] == kv_dtype
+    if mla:  # the rewrite equalizes the latent for an int8 cache (and the reference rebuilt below does too)
+        assert s["mla"]["settings"]["equalize_latent"] == (kv_dtype == "int8")
     ids = np.random.default_rng(7).integers(3, 128, (1, PROMPT))
     gen = OrtGenerator(out)
     got = gen.generate(ids, None, STEPS, keep_logits=True)

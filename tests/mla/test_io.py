@@ -18,7 +18,7 @@ from tests.conftest import FAMILIES, FAMILY_IDS
 def test_round_trip_identical_logits(tiny_models, tmp_path, family, kw):
     hf = tiny_models(family, **kw)
     settings = MLASettings(energy=0.8, rope_dim=8, rope_init="perhead", dropped_rope="none", rope_horizon=64,
-                           kv_fit="svd", q_rank=24, absorb=False)
+                           kv_fit="svd", q_rank=24, absorb=False, equalize_latent=True)
     mla = rewrite_to_mla(hf, settings)
     out = save_mla(mla, tmp_path / "mla")
     cfg = json.loads((out / "kvexport_mla.json").read_text())
