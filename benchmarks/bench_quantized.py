@@ -16,7 +16,11 @@ windows (:func:`kvexport.eval.data.heldout_windows`) of ``--context`` tokens, te
 quantized cache. Targets: agreement >= 98 %, recall within 5 points of fp32.
 
     python benchmarks/bench_quantized.py [--context 4096] [--windows 8] [--steps 64] [--recall 192:32 192:32:64 1400:8]
-        [--out docs/quantized_results.json]
+        [--formats int8 fp8 fp16 bf16] [--equalize auto|on|off] [--out docs/quantized_results.json]
+    python benchmarks/bench_quantized.py --runtime onnxruntime --configs mla+press   # exports against the fp32 export
+
+MLA models are rewritten with the latent equalized for int8 (``--equalize auto``, as convert does) and plain for the
+other formats.
 
 At the defaults it runs in about 6-9 minutes on 2 shared CPU cores (16k contexts would take about 4x as long).
 """
@@ -33,6 +37,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+#: the cache formats each configuration is run with, unless --formats says otherwise
+FORMATS = {"mla+press": ("int8", "fp8"), "press": ("int8",), "mla": ("int8",)}
 
 
 def build(mla: bool, equalize: bool = False):
@@ -104,8 +110,15 @@ def main(argv=None) -> None:
     ap.add_argument("--equalize", choices=("auto", "on", "off"), default="auto",
                     help="MLA latent equalization (MLASettings.equalize_latent): auto = as convert does (int8 only)")
     ap.add_argument("--recall-configs", nargs="+", default=["mla+press", "press"])
+    ap.add_argument("--runtime", choices=("pytorch", "onnxruntime"), default="pytorch",
+                    help="onnxruntime: export the model with each format and with fp32 (export_model, as `kvexport "
+                         "export --kv-dtype` does), and compare the exports (kvexport.export.twin.twin_compare_exports); "
+                         "no recall runs")
+    ap.add_argument("--export-dir", help="where --runtime onnxruntime writes its exports (default: a temporary directory)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "quantized_results.json"))
     args = ap.parse_args(argv)
+    if args.runtime == "onnxruntime":
+        return export_twins(args)
 
     from kvexport.atomic import atomic_write_bytes
     from kvexport.eval.data import heldout_windows
@@ -113,7 +126,6 @@ def main(argv=None) -> None:
     from kvexport.presses import make_press
 
     torch.manual_seed(0)
-    formats = {"mla+press": ("int8", "fp8"), "press": ("int8",), "mla": ("int8",)}
     results: dict = {"settings": {k.replace("_", "-"): v for k, v in vars(args).items() if k != "out"},
                      "threads": torch.get_num_threads(), "configs": {}}
     t_all = time.perf_counter()
@@ -121,7 +133,7 @@ def main(argv=None) -> None:
         return cfg.startswith("mla") and (args.equalize == "on" or (args.equalize == "auto" and kvd == "int8"))
 
     for cfg in args.configs:
-        fmts = tuple(args.formats or formats[cfg])
+        fmts = tuple(args.formats or FORMATS[cfg])
 
         def press_factory():
             return make_press(args.press, budget=args.budget)
@@ -169,6 +181,68 @@ def main(argv=None) -> None:
                 print(f"{cfg} recall at {ctx}: {r}", flush=True)
         results["configs"][cfg] = entry
     results["seconds"] = round(time.perf_counter() - t_all, 1)
+    try:
+        results["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    results["cpus"] = os.cpu_count()
+    print_table(results)
+    atomic_write_bytes(Path(args.out), (json.dumps(results, indent=2) + "\n").encode())
+    print(f"wrote {args.out}")
+
+
+def export_twins(args) -> None:
+    """--runtime onnxruntime: fp32 and quantized exports of the student, compared on onnxruntime."""
+    import tempfile
+
+    from kvexport.atomic import atomic_write_bytes
+    from kvexport.convert.config import default_mla_rank, default_rope_dim
+    from kvexport.eval.data import heldout_windows
+    from kvexport.export import export_model
+    from kvexport.export.twin import twin_compare_exports
+    from kvexport.mla.config import max_kv_rank
+    from kvexport.models.loading import load_tokenizer
+    from kvexport.presses import make_press
+    from kvexport.profile.run import model_spec
+
+    path = ROOT / "models" / "kvx-student"
+    sp = model_spec(path)
+    rope = default_rope_dim(sp.head_dim)
+    rank = default_mla_rank(sp.num_kv_heads, sp.head_dim, rope,
+                            max_rank=max_kv_rank(sp.hidden_size, sp.num_kv_heads, sp.head_dim, rope))
+    wins = heldout_windows(load_tokenizer(path), args.windows, args.context + args.steps + 1)
+    results: dict = {"settings": {k.replace("_", "-"): v for k, v in vars(args).items() if k not in ("out", "export_dir")},
+                     "runtime": "onnxruntime (CPUExecutionProvider)", "configs": {}}
+    t_all = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=args.export_dir) as tmp:
+        for cfg in args.configs:
+            if cfg == "mla":
+                print("skipping mla (full cache) on onnxruntime: its twin needs a capacity per context")
+                continue
+            fmts = tuple(args.formats or FORMATS[cfg])
+            mla_kw = dict(mla_rank=rank, rope_dim=rope) if cfg.startswith("mla") else {}
+            dirs, secs = {}, {}
+            for kvd in ("fp32", *fmts):
+                t0 = time.perf_counter()
+                dirs[kvd] = export_model(path, Path(tmp) / f"{cfg}-{kvd}", press=make_press(args.press, budget=args.budget),
+                                         window=args.window, chunk=args.chunk, batch=args.windows, kv_dtype=kvd,
+                                         **mla_kw)
+                secs[kvd] = round(time.perf_counter() - t0, 1)
+                print(f"exported {cfg} {kvd} in {secs[kvd]} s", flush=True)
+            t0 = time.perf_counter()
+            twin = twin_compare_exports(dirs["fp32"], {k: dirs[k] for k in fmts}, wins, args.context, args.steps,
+                                        threads=torch.get_num_threads(), progress=print)
+            entry = {"model": "models/kvx-student", "press": args.press, "budget": args.budget, "window": args.window,
+                     "chunk": args.chunk, "mla": {"kv_rank": rank, "rope_dim": rope, "distilled": False} if mla_kw else None,
+                     "export_seconds": secs, "twin_seconds": round(time.perf_counter() - t0, 1), "twin": twin}
+            for kvd in fmts:
+                entry["twin"][kvd]["equalize_latent"] = bool(mla_kw) and kvd == "int8"
+                r = twin[kvd]
+                print(f"{cfg} {kvd} export: agreement {r['next_token_agreement']:.4f} KL {r['mean_kl']:.2e} "
+                      f"overlap {r['kept_overlap']}", flush=True)
+            results["configs"][cfg] = entry
+    results["seconds"] = round(time.perf_counter() - t_all, 1)
+    results["threads"] = torch.get_num_threads()
     try:
         results["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):

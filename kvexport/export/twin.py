@@ -20,6 +20,7 @@ Resident bytes of both caches come from the runs' own buffers (``GenerationResul
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -177,4 +178,42 @@ def _run(decoder, windows, prefix, scored, kv_dtypes, press_factory, window, chu
     return accs
 
 
-__all__ = ["twin_compare", "twin_compare_many", "is_lossy", "kept_sets"]
+def twin_compare_exports(reference_dir, exports: dict, windows, prefix: int, scored: int, track_kept: bool = True,
+                         threads: int | None = None, progress=None) -> dict[str, dict[str, Any]]:
+    """Exports against an fp32 export on onnxruntime (:class:`~kvexport.export.runtime.OrtGenerator`), the same
+    figures as :func:`twin_compare`: the reference export decodes ``scored`` tokens greedily after each window's
+    first ``prefix`` tokens, and its tokens are forced into each export of ``exports`` ({label: directory}, e.g.
+    {"int8": ...}); each export's batch size is its own, ``windows`` (N, >= prefix) must fill whole batches.
+    What a user compares when converting the same model twice, with and without ``--kv-dtype``."""
+    from kvexport.errors import BadUsage
+    from kvexport.export.runtime import OrtGenerator
+
+    say = progress or (lambda msg: None)
+    wins = np.asarray(windows)[:, :prefix].astype(np.int64)
+    ref_gen = OrtGenerator(reference_dir, threads=threads)
+    gens = {k: OrtGenerator(d, threads=threads) for k, d in exports.items()}
+    B = ref_gen.batch
+    if wins.shape[0] % B or any(g.batch != B for g in gens.values()):
+        raise BadUsage(f"{wins.shape[0]} windows do not fill batches of {B} (every export takes batch "
+                       f"{sorted({B, *(g.batch for g in gens.values())})})")
+    T = int(scored)
+    accs = {k: _Acc(k, prefix, track_kept) for k in exports}
+    for s in range(0, wins.shape[0], B):
+        ids = wins[s : s + B]
+        what = f"windows {s + 1}-{s + B}/{wins.shape[0]} ({prefix} + {T} tokens)"
+        say(f"export twin: reference, {what}")
+        ref = ref_gen.generate(ids, max_new_tokens=T, keep_logits=True, track_kept=track_kept)
+        for k, g in gens.items():
+            say(f"export twin: {k}, {what}")
+            got = g.generate(ids, max_new_tokens=T, forced_tokens=ref.tokens, keep_logits=True, track_kept=track_kept)
+            accs[k].add(ref, got, T)
+    out = {}
+    for k, acc in accs.items():
+        r = acc.result()
+        r["candidate"] = f"{k} export ({Path(exports[k]).name}, onnxruntime)"
+        r["reference"] = f"the fp32 export ({Path(reference_dir).name}, onnxruntime)"
+        out[k] = r
+    return out
+
+
+__all__ = ["twin_compare", "twin_compare_many", "twin_compare_exports", "is_lossy", "kept_sets"]
