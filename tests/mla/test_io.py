@@ -82,18 +82,19 @@ def test_cli_rewrite_matches_api(tmp_path):
 
     src = model_dir(tmp_path / "hf", "qwen2")
     assert main(["rewrite", str(src), "--mla-rank", "16", "--rope-dim", "8", "--rope-init", "perhead", "--kv-fit", "pca",
-                 "--rope-horizon", "100", "--out", str(tmp_path / "mla")]) == 0
+                 "--rope-horizon", "100", "--equalize-latent", "--out", str(tmp_path / "mla")]) == 0
     from kvexport.models.loading import load_decoder
 
     ref = rewrite_to_mla(load_decoder(src)[0], MLASettings(kv_rank=16, rope_dim=8, rope_init="perhead", kv_fit="pca",
-                                                           rope_horizon=100))
+                                                           rope_horizon=100, equalize_latent=True))
     back = load_mla(tmp_path / "mla")
     ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(4))
     pos = torch.arange(16)[None]
     with torch.no_grad():
         assert torch.equal(ref(ids, pos), back(ids, pos))
     assert (tmp_path / "mla" / "tokenizer.json").is_file()
-    assert json.loads((tmp_path / "mla" / "kvexport_mla.json").read_text())["hf_config"]["model_type"] == "qwen2"
+    saved = json.loads((tmp_path / "mla" / "kvexport_mla.json").read_text())
+    assert saved["hf_config"]["model_type"] == "qwen2" and saved["settings"]["equalize_latent"] is True
 
 
 @pytest.mark.parametrize("mask,file_mode,dir_mode", [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)])
