@@ -41,14 +41,27 @@ ROOT = Path(__file__).resolve().parent.parent
 FORMATS = {"mla+press": ("int8", "fp8"), "press": ("int8",), "mla": ("int8",)}
 
 
-def build(mla: bool, equalize: bool = False):
+def build(mla: bool, equalize: bool = False, mla_dir: str | None = None, distill_tokens: int | None = None):
+    """The student (fp32), rewritten to MLA when ``mla`` (convert's default rank; ``equalize``: the latent equalized)
+    or, with ``mla_dir``, the saved MLA model there (e.g. a distilled one) as it is; ``distill_tokens``: the
+    rewrite then distilled from the original student on that many train-split tokens (kvexport.mla.distill, lr 1e-3,
+    the other settings its defaults)."""
     from kvexport.convert.config import default_mla_rank, default_rope_dim
     from kvexport.mla.config import MLASettings, max_kv_rank
     from kvexport.models.loading import load_decoder, load_tokenizer
 
     path = ROOT / "models" / "kvx-student"
-    dec, _ = load_decoder(path, "fp32")
     tok = load_tokenizer(path)
+    if mla and mla_dir:
+        from kvexport.mla.io import load_mla
+
+        dec = load_mla(mla_dir, dtype=torch.float32)
+        s = dec.mla_settings
+        info = {"model": str(mla_dir), "mla": {"kv_rank": s.kv_rank, "rope_dim": s.rope_dim,
+                                               "distilled": (Path(mla_dir) / "distill_summary.json").is_file(),
+                                               "equalize_latent": s.equalize_latent}}
+        return dec.eval(), tok, info
+    dec, _ = load_decoder(path, "fp32")
     info = {"model": "models/kvx-student", "mla": None}
     if mla:
         from kvexport.mla.rewrite import rewrite_to_mla
@@ -57,8 +70,25 @@ def build(mla: bool, equalize: bool = False):
         rope = default_rope_dim(sp.head_dim)
         rank = default_mla_rank(sp.num_kv_heads, sp.head_dim, rope,
                                 max_rank=max_kv_rank(sp.hidden_size, sp.num_kv_heads, sp.head_dim, rope))
+        teacher = dec if distill_tokens else None
         dec = rewrite_to_mla(dec, MLASettings(kv_rank=rank, rope_dim=rope, equalize_latent=equalize))
         info["mla"] = {"kv_rank": rank, "rope_dim": rope, "distilled": False, "equalize_latent": equalize}
+        if distill_tokens:
+            import tempfile
+
+            from kvexport.eval.data import train_tokens
+            from kvexport.mla.distill import DistillConfig, distill
+            from kvexport.mla.io import load_mla
+
+            cfg = DistillConfig(tokens=int(distill_tokens), lr=1e-3, save_every=10**9)
+            with tempfile.TemporaryDirectory() as tmp, torch.enable_grad():  # main() runs under no_grad
+                t0 = time.perf_counter()
+                summary = distill(dec, teacher.eval(), train_tokens(tok, cfg.tokens), Path(tmp) / "d", cfg, cpu=True,
+                                  progress=False, tokenizer_dir=path)
+                dec = load_mla(Path(tmp) / "d", dtype=torch.float32)
+            info["mla"]["distilled"] = {"tokens": cfg.tokens, "teacher": "models/kvx-student", "lr": cfg.lr,
+                                        "final_kl": summary["final"]["kl"],
+                                        "seconds": round(time.perf_counter() - t0, 1)}
     return dec.eval(), tok, info
 
 
@@ -110,6 +140,10 @@ def main(argv=None) -> None:
     ap.add_argument("--equalize", choices=("auto", "on", "off"), default="auto",
                     help="MLA latent equalization (MLASettings.equalize_latent): auto = as convert does (int8 only)")
     ap.add_argument("--recall-configs", nargs="+", default=["mla+press", "press"])
+    ap.add_argument("--mla-model", help="a saved MLA directory (e.g. `kvexport distill`'s output) for the MLA configs, "
+                                        "used as it is (no rewrite, its own latent basis for every format)")
+    ap.add_argument("--distill-tokens", type=int, help="MLA configs: distill the rewrite from the original student on "
+                                                          "this many train-split tokens first (e.g. 1048576)")
     ap.add_argument("--runtime", choices=("pytorch", "onnxruntime"), default="pytorch",
                     help="onnxruntime: export the model with each format and with fp32 (export_model, as `kvexport "
                          "export --kv-dtype` does), and compare the exports (kvexport.export.twin.twin_compare_exports); "
@@ -130,6 +164,8 @@ def main(argv=None) -> None:
                      "threads": torch.get_num_threads(), "configs": {}}
     t_all = time.perf_counter()
     def equalized(cfg: str, kvd: str) -> bool:
+        if args.mla_model:  # the directory's own basis
+            return False
         return cfg.startswith("mla") and (args.equalize == "on" or (args.equalize == "auto" and kvd == "int8"))
 
     for cfg in args.configs:
@@ -145,7 +181,7 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         models = {}
         for eq in sorted({equalized(cfg, k) for k in fmts}):  # one rewrite per latent basis
-            dec, tok, info = build(cfg.startswith("mla"), eq)
+            dec, tok, info = build(cfg.startswith("mla"), eq, args.mla_model, args.distill_tokens)
             models[eq] = dec
             wins = heldout_windows(tok, args.windows, args.context + args.steps + 1)
             if wins.shape[0] < args.windows:
@@ -158,7 +194,8 @@ def main(argv=None) -> None:
                                      chunk=args.chunk, batch=args.windows, progress=print,
                                      capacity=None if evicts else args.context + args.steps)
             for kvd, r in part.items():
-                entry["twin"][kvd] = {**r, "equalize_latent": eq}
+                entry["twin"][kvd] = {**r, "equalize_latent": eq if not args.mla_model else
+                                      bool(info["mla"] and info["mla"]["equalize_latent"])}
         entry["twin"] = {k: entry["twin"][k] for k in fmts}
         entry["twin_seconds"] = round(time.perf_counter() - t0, 1)
         dec = models[equalized(cfg, "int8")] if equalized(cfg, "int8") in models else next(iter(models.values()))
@@ -221,10 +258,13 @@ def export_twins(args) -> None:
                 continue
             fmts = tuple(args.formats or FORMATS[cfg])
             mla_kw = dict(mla_rank=rank, rope_dim=rope) if cfg.startswith("mla") else {}
+            src = path
+            if cfg.startswith("mla") and args.mla_model:  # a saved MLA model is exported as it is
+                src, mla_kw = Path(args.mla_model), {}
             dirs, secs = {}, {}
             for kvd in ("fp32", *fmts):
                 t0 = time.perf_counter()
-                dirs[kvd] = export_model(path, Path(tmp) / f"{cfg}-{kvd}", press=make_press(args.press, budget=args.budget),
+                dirs[kvd] = export_model(src, Path(tmp) / f"{cfg}-{kvd}", press=make_press(args.press, budget=args.budget),
                                          window=args.window, chunk=args.chunk, batch=args.windows, kv_dtype=kvd,
                                          **mla_kw)
                 secs[kvd] = round(time.perf_counter() - t0, 1)
@@ -232,11 +272,13 @@ def export_twins(args) -> None:
             t0 = time.perf_counter()
             twin = twin_compare_exports(dirs["fp32"], {k: dirs[k] for k in fmts}, wins, args.context, args.steps,
                                         threads=torch.get_num_threads(), progress=print)
-            entry = {"model": "models/kvx-student", "press": args.press, "budget": args.budget, "window": args.window,
-                     "chunk": args.chunk, "mla": {"kv_rank": rank, "rope_dim": rope, "distilled": False} if mla_kw else None,
+            entry = {"model": str(src.relative_to(ROOT) if src.is_relative_to(ROOT) else src), "press": args.press, "budget": args.budget, "window": args.window,
+                     "chunk": args.chunk,
+                     "mla": ({"kv_rank": rank, "rope_dim": rope, "distilled": False} if mla_kw else
+                             {"dir": str(src)} if cfg.startswith("mla") else None),
                      "export_seconds": secs, "twin_seconds": round(time.perf_counter() - t0, 1), "twin": twin}
             for kvd in fmts:
-                entry["twin"][kvd]["equalize_latent"] = bool(mla_kw) and kvd == "int8"
+                entry["twin"][kvd]["equalize_latent"] = bool(mla_kw) and kvd == "int8"  # a saved model: its own
                 r = twin[kvd]
                 print(f"{cfg} {kvd} export: agreement {r['next_token_agreement']:.4f} KL {r['mean_kl']:.2e} "
                       f"overlap {r['kept_overlap']}", flush=True)
