@@ -154,9 +154,9 @@ def main(argv=None) -> None:
     if args.runtime == "onnxruntime":
         return export_twins(args)
 
-    from kvexport.atomic import atomic_write_bytes
     from kvexport.eval.data import heldout_windows
     from kvexport.export.twin import twin_compare_many
+    from kvexport.mla.config import equalizes_latent
     from kvexport.presses import make_press
 
     torch.manual_seed(0)
@@ -166,7 +166,7 @@ def main(argv=None) -> None:
     def equalized(cfg: str, kvd: str) -> bool:
         if args.mla_model:  # the directory's own basis
             return False
-        return cfg.startswith("mla") and (args.equalize == "on" or (args.equalize == "auto" and kvd == "int8"))
+        return cfg.startswith("mla") and (args.equalize == "on" or (args.equalize == "auto" and equalizes_latent(kvd)))
 
     for cfg in args.configs:
         fmts = tuple(args.formats or FORMATS[cfg])
@@ -218,26 +218,18 @@ def main(argv=None) -> None:
                 print(f"{cfg} recall at {ctx}: {r}", flush=True)
         results["configs"][cfg] = entry
     results["seconds"] = round(time.perf_counter() - t_all, 1)
-    try:
-        results["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    results["cpus"] = os.cpu_count()
-    print_table(results)
-    atomic_write_bytes(Path(args.out), (json.dumps(results, indent=2) + "\n").encode())
-    print(f"wrote {args.out}")
+    finish(results, args.out)
 
 
 def export_twins(args) -> None:
     """--runtime onnxruntime: fp32 and quantized exports of the student, compared on onnxruntime."""
     import tempfile
 
-    from kvexport.atomic import atomic_write_bytes
     from kvexport.convert.config import default_mla_rank, default_rope_dim
     from kvexport.eval.data import heldout_windows
     from kvexport.export import export_model
     from kvexport.export.twin import twin_compare_exports
-    from kvexport.mla.config import max_kv_rank
+    from kvexport.mla.config import equalizes_latent, max_kv_rank
     from kvexport.models.loading import load_tokenizer
     from kvexport.presses import make_press
     from kvexport.profile.run import model_spec
@@ -278,21 +270,28 @@ def export_twins(args) -> None:
                              {"dir": str(src)} if cfg.startswith("mla") else None),
                      "export_seconds": secs, "twin_seconds": round(time.perf_counter() - t0, 1), "twin": twin}
             for kvd in fmts:
-                entry["twin"][kvd]["equalize_latent"] = bool(mla_kw) and kvd == "int8"  # a saved model: its own
+                entry["twin"][kvd]["equalize_latent"] = bool(mla_kw) and equalizes_latent(kvd)  # a saved model: its own
                 r = twin[kvd]
                 print(f"{cfg} {kvd} export: agreement {r['next_token_agreement']:.4f} KL {r['mean_kl']:.2e} "
                       f"overlap {r['kept_overlap']}", flush=True)
             results["configs"][cfg] = entry
     results["seconds"] = round(time.perf_counter() - t_all, 1)
     results["threads"] = torch.get_num_threads()
+    finish(results, args.out)
+
+
+def finish(results: dict, out: str) -> None:
+    """The machine's load and cores into ``results``, the table printed, the JSON written to ``out``."""
+    from kvexport.atomic import atomic_write_bytes
+
     try:
         results["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
     results["cpus"] = os.cpu_count()
     print_table(results)
-    atomic_write_bytes(Path(args.out), (json.dumps(results, indent=2) + "\n").encode())
-    print(f"wrote {args.out}")
+    atomic_write_bytes(Path(out), (json.dumps(results, indent=2) + "\n").encode())
+    print(f"wrote {out}")
 
 
 def print_table(results: dict) -> None:

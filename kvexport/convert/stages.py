@@ -129,11 +129,10 @@ def resolve_settings(cfg: ConvertConfig) -> tuple[ConvertConfig, Path, Any]:
 
 
 def mla_settings(cfg: ConvertConfig):
-    from kvexport.mla.config import MLASettings
+    from kvexport.mla.config import MLASettings, equalizes_latent
 
-    # an int8 cache rounds every channel of a row with one step: the latent's channels are equalized first (exact)
     return MLASettings(kv_rank=cfg.mla_rank, energy=cfg.mla_energy, rope_dim=int(cfg.rope_dim),
-                       equalize_latent=cfg.kv_dtype == "int8")
+                       equalize_latent=equalizes_latent(cfg.kv_dtype))
 
 
 # ----------------------------------------------------------------------------- stages

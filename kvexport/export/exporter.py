@@ -521,8 +521,10 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
     p = resolve_press(press, budget, ratio)
     if dynamic_cache and p is not None:
         raise BadUsage("--dynamic-cache is the full-cache baseline; it takes --press none")
-    # an int8 cache gets an equalized latent, as in convert (MLASettings.equalize_latent)
-    dec, src, model_hash, mla = resolve_decoder(model, dtype, mla_rank, rope_dim, equalize_latent=kv_dtype == "int8")
+    from kvexport.mla.config import equalizes_latent
+
+    dec, src, model_hash, mla = resolve_decoder(model, dtype, mla_rank, rope_dim,
+                                                equalize_latent=equalizes_latent(kv_dtype))
     if source is not None:
         if src is not None:
             raise BadUsage("source= is for an in-memory model; a model directory is its own source")

@@ -102,6 +102,16 @@ class MLASettings:
         return asdict(self)
 
 
+#: the cache formats whose MLA rewrite equalizes the latent (:attr:`MLASettings.equalize_latent`): int8's one
+#: rounding step per row; fp8 rounds each element relative to its own size and measured worse equalized
+EQUALIZED_FORMATS = ("int8",)
+
+
+def equalizes_latent(kv_dtype: str | None) -> bool:
+    """Whether a rewrite for a ``kv_dtype`` cache equalizes the latent (convert, export and the benchmarks ask here)."""
+    return kv_dtype in EQUALIZED_FORMATS
+
+
 def max_kv_rank(hidden: int, num_kv_heads: int, head_dim: int, rope_dim: int, qk_norm: bool = False) -> int:
     """Rank bound of the stacked no-RoPE keys and values, ``2 n_kv d_h - d_rope`` dimensions (GQA repetition
     adds no rank): min(H, 2 n_kv d_h - d_rope); with Qwen3's k_norm the keys are not linear in h, so
