@@ -263,4 +263,12 @@ def distill_cmd(
         calib = ids[: n * 64].view(n, 64) if n else ids[None]
         stud = rewrite_to_mla(dec, settings, calib)
     check_teacher(stud, teach, s_tok, t_tok)
-    distill(stud, teach, ids, out, cfg, resume=resume, tokenizer_dir=student, cpu=cpu, progress=not no_progress)
+    try:
+        distill(stud, teach, ids, out, cfg, resume=resume, tokenizer_dir=student, cpu=cpu, progress=not no_progress)
+    finally:
+        # under `accelerate launch` the gloo group must be torn down before the interpreter exits: left to the
+        # atexit order, a rank can abort in gloo's threads ("terminate called without an active exception")
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
