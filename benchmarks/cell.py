@@ -80,7 +80,7 @@ def run_kvx(spec: dict):
         else:
             pre = [i for i, (g, _, _) in enumerate(log) if g in ("prefill", "compact_prefill")]
             t_start, prefill_end = log[0][1], log[pre[-1]][2]
-            ends = [e for g, _, e in log[pre[-1] + 1:] if g == "decode"]
+            ends = [e for g, _, e in log[pre[-1] + 1:] if g == gen.decode_graph]
         ends = np.array([prefill_end, *ends])
         return {"prefill_s": float(prefill_end - t_start), "decode_ms": (np.diff(ends) * 1e3).tolist(),
                 "tokens": [int(x) for x in res.tokens[0, :16]], "cache_bytes": int(res.cache_bytes),
@@ -111,7 +111,7 @@ def _synthesized_cells(gen, spec: dict, log: list):
         for _ in range(spec["steps"]):
             tok = int(gen.decode(tok).argmax(-1)[0])
             toks.append(tok)
-        ends = [e for g, _, e in log if g == "decode"]
+        ends = [e for g, _, e in log if g == gen.decode_graph]
         return {"prefill_s": None, "decode_ms": (np.diff(np.array([t0, *ends])) * 1e3).tolist(), "tokens": toks[:16],
                 "cache_bytes": int(gen.current_cache_bytes()), "resident_bytes": gen.resident_bytes(),
                 "compactions": int(gen.compactions), "synthesized": True}

@@ -11,6 +11,10 @@ Rows, all greedy decoding at batch 1 of the same model and prompt:
                     held in power-of-two buckets (kvexport.cache.plan rule 7)
     kvx-snapkv      kvexport static budget, SnapKV, budget + window slots per layer
     kvx-streaming   kvexport static budget, StreamingLLM
+    kvx-snapkv-std  kvx-snapkv without the in-place decode graph: decode.onnx, standard ONNX ops only (the graph
+                    TensorRT runs; kvx-snapkv and kvx-streaming decode through decode_inplace.ort.onnx,
+                    onnxruntime's GroupQueryAttention writing the cache in place; kvx-full does not: over a 16k
+                    full cache that graph measured slower than decode.onnx's two-part read, docs/benchmarks.md)
     kvx-mla-full    kvexport MLA latent cache (r_kv + d_rope per token and layer, ≈6.4× smaller), static full cache
     kvx-mla-snapkv  MLA + SnapKV static budget
 
@@ -37,6 +41,7 @@ class Row:
     mla: bool = False
     dynamic_cache: bool = False
     full: bool = False  # a static full cache (capacity = the run's largest prompt + steps)
+    inplace: bool = False  # also the in-place decode graph (decode_inplace.ort.onnx), which onnxruntime then runs
 
     @property
     def static_budget(self) -> bool:
@@ -54,6 +59,8 @@ class Row:
             kw.update(press=self.press, budget=shape.budget)
         if self.mla:
             kw.update(mla_rank=shape.mla_rank, rope_dim=shape.rope_dim)
+        if self.inplace:
+            kw.update(inplace_decode=True)
         return kw
 
 
@@ -62,8 +69,10 @@ ROWS: dict[str, Row] = {r.name: r for r in [
     Row("optimum", "optimum", "HF Optimum ONNX export (onnxruntime, full cache)"),
     Row("ortgenai", "ortgenai", "onnxruntime-genai builder (GroupQueryAttention, shared past/present buffer)"),
     Row("kvx-full", "kvx", "kvexport --press none: static full cache written in place (onnxruntime)", full=True),
-    Row("kvx-snapkv", "kvx", "kvexport SnapKV static budget", press="snapkv"),
-    Row("kvx-streaming", "kvx", "kvexport StreamingLLM static budget", press="streaming_llm"),
+    Row("kvx-snapkv", "kvx", "kvexport SnapKV static budget", press="snapkv", inplace=True),
+    Row("kvx-streaming", "kvx", "kvexport StreamingLLM static budget", press="streaming_llm", inplace=True),
+    Row("kvx-snapkv-std", "kvx", "kvexport SnapKV static budget, standard decode graph (what TensorRT runs)",
+        press="snapkv"),
     Row("kvx-mla-full", "kvx", "kvexport MLA latent cache (≈6.4× smaller per token), static full cache", mla=True,
         full=True),
     Row("kvx-mla-snapkv", "kvx", "kvexport MLA + SnapKV static budget", press="snapkv", mla=True),

@@ -38,6 +38,10 @@ def export_cmd(
     max_positions: Optional[int] = typer.Option(None, "--max-positions", help="Longest context (press none: the "
                                                 "full cache's capacity, held in power-of-two buckets up to it). "
                                                 "Default: the model's max_position_embeddings."),
+    inplace_decode: bool = typer.Option(False, "--inplace-decode", help="Also decode_inplace.ort.onnx: the decode "
+                                        "step through onnxruntime's GroupQueryAttention, writing the token's slot "
+                                        "of the cache in place (onnxruntime on the CPU runs it; TensorRT runs "
+                                        "decode.onnx). GQA models, --kv-dtype = --dtype."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty --out."),
 ) -> None:
     """Export to ONNX: prefill-chunk, decode and compaction graphs with fixed-shape caches."""
@@ -51,7 +55,7 @@ def export_cmd(
         path = export_model(resolve_model(model), out, press=press, budget=budget, window=window, mla_rank=mla_rank,
                             rope_dim=rope_dim, batch=batch, chunk=chunk, dtype=dtype, ops=ops,
                             dynamic_cache=dynamic_cache, force=force, max_positions=max_positions,
-                            decode_batch=decode_batch, kv_dtype=kv_dtype, **kw)
+                            decode_batch=decode_batch, kv_dtype=kv_dtype, inplace_decode=inplace_decode, **kw)
     files = ", ".join(sorted(read_manifest(path)["files"]))
     stdout_console().print(f"exported to {path} in {p.elapsed:.1f}s: {files}", highlight=False)
 

@@ -44,11 +44,12 @@ from kvexport.cache.plan import MIN_BUCKET
 from kvexport.errors import BadUsage
 from kvexport.export import graphs, ops
 from kvexport.export.manifest import ONNX_EXPORT as KIND
-from kvexport.export.manifest import atomic_output, check_out_dir, write_manifest
+from kvexport.export.manifest import ORT_ONLY_SUFFIX, atomic_output, check_out_dir, write_manifest
 
 # torch's exporter warns once per graph that torchvision's ops are not registered; they are never used here
 logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 
+INPLACE_FILE = "decode_inplace" + ORT_ONLY_SUFFIX  # the in-place decode step (onnxruntime, CPU)
 WEIGHTS_FILE = "weights.data"  # every graph's initializers of at least EXTERNAL_MIN_BYTES, each stored once
 EXTERNAL_MIN_BYTES = 1024
 WEIGHT_ALIGN = 64  # byte alignment of each tensor in WEIGHTS_FILE
@@ -483,7 +484,8 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
                  chunk: int = 128, dtype: str = "fp32", ops: str = "custom", dynamic_cache: bool = False,
                  force: bool = False, max_positions: int | None = None, source: str | Path | None = None,
                  tokenizer_dir: str | Path | None = None, original: str | Path | None = None,
-                 decode_batch: int | None = None, progress=None, kv_dtype: str | None = None) -> Path:
+                 decode_batch: int | None = None, progress=None, kv_dtype: str | None = None,
+                 inplace_decode: bool = False) -> Path:
     """Export ``model`` to ``out_dir`` (written atomically; see the module docstring for the layout).
 
     model: HF model directory, in-memory HF ``*ForCausalLM``, or a kvexport Decoder (MLA-rewritten or not).
@@ -495,6 +497,9 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
     the batch-``batch`` graphs on row views of the same cache; the weights are shared, not copied);
     kv_dtype: how the cache stores K/V (or the MLA latent): fp32, fp16, bf16, int8, fp8 (default: ``dtype``;
     kvexport.cache.formats, docs/quantized.md);
+    inplace_decode: also a ``decode_inplace.ort.onnx`` for onnxruntime on the CPU: the decode step through
+    onnxruntime's GroupQueryAttention over the cache buffers, writing the token's slot in place (GQA models, the
+    cache in the model's dtype; TensorRT ignores the file and runs ``decode.onnx``);
     dtype "fp32"/"fp16"; ops "custom" (kvexport nodes backed
     by local functions) or "standard" (the functions inlined). Returns the output directory.
     source: for an in-memory ``model``, the directory its reference model lives in (an HF or saved MLA
@@ -535,6 +540,10 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
         model_hash = _hash_model(dec, source)  # what validate recomputes when it loads the source
     if original is not None and not Path(original).is_dir():
         raise BadUsage(f"original {original} is not a model directory")
+    if inplace_decode:
+        if dynamic_cache:
+            raise BadUsage("--inplace-decode writes a static cache in place; --dynamic-cache has none")
+        graphs.check_inplace(dec, kv_dtype, dtype)
     spec = dec.spec
     L = spec.num_layers
     limit = spec.max_position_embeddings
@@ -562,7 +571,7 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
         "decode_batch": int(decode_batch) if decode_batch is not None else None,
         "window": window_eff, "budgets": budgets if p is not None else None,
         "capacities": [b + window_eff for b in budgets] if not dynamic_cache else None,
-        "dynamic_capacity": dynamic_capacity,
+        "dynamic_capacity": dynamic_capacity, "inplace_decode": bool(inplace_decode),
         "press": press_to_dict(p), "mla": mla, "dtype": dtype, "kv_dtype": kv_dtype, "ops": opsel,
         "opset": ops_mod.OPSET,
         "custom_domain": {ops_mod.DOMAIN: ops_mod.OP_VERSION} if custom else None,
@@ -581,7 +590,7 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
             files["model"] = _export_dynamic(dec, tmp, batch, td, custom)
         else:
             files.update(_export_static(dec, p, budgets, window_eff, batch, chunk, td, custom, tmp, say, decode_batch,
-                                        kv_dtype, dynamic_capacity))
+                                        kv_dtype, dynamic_capacity, inplace_decode))
         settings["graphs"] = files
         tok_src = Path(tokenizer_dir) if tokenizer_dir is not None else _tokenizer_source(model, src)
         if tok_src is not None:
@@ -624,22 +633,23 @@ def _capacity_axis(shapes: list[graphs.LayerShape]) -> tuple[list[graphs.LayerSh
 
 def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: Path, say,
                    decode_batch: int | None = None, kv_dtype: str | None = None,
-                   dynamic_capacity: bool = False) -> dict[str, Any]:
+                   dynamic_capacity: bool = False, inplace_decode: bool = False) -> dict[str, Any]:
     shapes = graphs.layer_shapes(dec, budgets, window, kv_dtype)
     L = len(shapes)
     wq = press is not None
     kv, new = graphs.kv_names(shapes), graphs.new_names(shapes, wq)
     traced, dyn = _capacity_axis(shapes) if dynamic_capacity else (shapes, None)
     cache = kv_examples(traced, batch, td)
-    n_graphs = (4 if wq else 2) + (decode_batch is not None)
+    n_graphs = (4 if wq else 2) + (decode_batch is not None) + bool(inplace_decode)
     files: dict[str, Any] = {}
 
     weights = SharedWeights(tmp)
 
-    def export(name: str, module, args, inputs, outputs, k: int, dynamic=None) -> None:
-        say(f"exporting {name}.onnx ({k}/{n_graphs})")
+    def export(name: str, module, args, inputs, outputs, k: int, dynamic=None, file: str | None = None) -> None:
+        file = file or f"{name}.onnx"
+        say(f"exporting {file} ({k}/{n_graphs})")
         m, used = _export_graph(module.eval(), args, inputs, outputs, custom, weights, dynamic_shapes=dynamic)
-        files[name] = {"file": f"{name}.onnx", "external_data": weights.save(m, tmp / f"{name}.onnx", used), **_io(m)}
+        files[name] = {"file": file, "external_data": weights.save(m, tmp / file, used), **_io(m)}
 
     ids = torch.zeros(batch, chunk, dtype=torch.long)
     pos = torch.arange(chunk).expand(batch, chunk).contiguous()
@@ -660,6 +670,13 @@ def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: P
         export("compact", graphs.Compact(dec, press, budgets, window, kv_dtype),
                (fill, one, *cache, *query_examples(shapes, batch, window, td)),
                ["fill", "query_start"] + kv + graphs.query_names(L), graphs.kv_names(shapes, "kept_"), 4)
+    if inplace_decode:
+        slots = torch.zeros(L, batch, dtype=torch.int32)
+        export("decode_inplace", graphs.InPlaceDecodeStep(dec, press, budgets, window, kv_dtype),
+               (ids1, pos1, slots, *cache), ["input_ids", "positions", "slots"] + kv,
+               ["logits"] + graphs.inplace_names(shapes, wq), n_graphs - (decode_batch is not None),
+               (dyn[0], dyn[1], None, dyn[2]) if dyn is not None else None, file=INPLACE_FILE)
+        files["decode_inplace"]["in_place"] = {f"{f}_present_{i}": f"{f}_{i}" for i in range(L) for f in ("k", "v")}
     if decode_batch is not None:
         N = int(decode_batch)
         export("decode_batch", graphs.DecodeStep(dec, press, budgets, window, kv_dtype),

@@ -232,6 +232,53 @@ class DecodeStep(_CacheGraph):
         return (self.head(h[:, -1]), *new)
 
 
+class InPlaceDecodeStep(_CacheGraph):
+    """The decode step for onnxruntime on the CPU, writing the cache in place (``decode_inplace.ort.onnx``).
+
+    Inputs: input_ids (B, 1), positions (B, 1), slots (L, B) int32 (layer i's token goes to slot ``slots[i]``, its
+    fill: plan rule 4), then the cache tensors of every layer, whose positions already hold this token's at its slot
+    (the host writes them first). Outputs: logits (B, V), then per layer the cache's k and v as updated
+    (``k_present_i`` / ``v_present_i``: the runtime binds them to the same buffers as ``k_i`` / ``v_i``, and
+    onnxruntime's GroupQueryAttention then writes only the token's slot) and, with a press, the token's query
+    ``q_new_i``. GQA attention (not MLA) over a cache stored in the model's dtype only (:func:`check_inplace`)."""
+
+    def forward(self, input_ids, positions, slots, *cache):
+        attns = [layer.self_attn for layer in self.decoder.layers]
+        for i, a in enumerate(attns):
+            a.step_slots = slots[i]
+        try:
+            h, new = self.step(input_ids, positions, cache)
+        finally:
+            for a in attns:
+                a.step_slots = None
+        return (self.head(h[:, -1]), *new)
+
+
+def inplace_names(layers, with_queries: bool) -> list[str]:
+    """The in-place decode graph's outputs after the logits: k_present_i, v_present_i (and q_new_i)."""
+    out = []
+    for i in range(len(layers)):
+        out += [f"k_present_{i}", f"v_present_{i}"] + ([f"q_new_{i}"] if with_queries else [])
+    return out
+
+
+def check_inplace(decoder, kv_dtype: str | None, dtype: str) -> None:
+    """Faithful or refused: the in-place decode graph exists for GQA attention over a cache in the model's dtype."""
+    from kvexport.errors import BadUsage
+    from kvexport.models.attention import GQAAttention
+
+    if any(type(layer.self_attn) is not GQAAttention for layer in decoder.layers):
+        raise BadUsage("--inplace-decode needs grouped-query attention (onnxruntime's GroupQueryAttention); an MLA "
+                       "model decodes through LatentAttention: export it without --inplace-decode")
+    rot = decoder.layers[0].self_attn.rotary
+    if rot.offset != 0 or rot.dim != decoder.layers[0].self_attn.head_dim:
+        raise BadUsage(f"--inplace-decode rotates whole heads (onnxruntime's GroupQueryAttention); this model rotates "
+                       f"{rot.dim} of {decoder.layers[0].self_attn.head_dim} channels: export it without it")
+    if kv_dtype not in (None, dtype):
+        raise BadUsage(f"--inplace-decode stores the cache in the model's dtype ({dtype}); --kv-dtype {kv_dtype} is "
+                       "not supported by it: drop one of the two")
+
+
 class CompactPrefill(_CacheGraph):
     """A prefill chunk's compaction. Inputs: fill (L,), n_pad (1,), positions (B, C), then the cache tensors of
     every layer, then the chunk's new rows (as PrefillChunk returns them). Outputs: the kept cache tensors

@@ -25,6 +25,9 @@ from kvexport.errors import BadArtifact, BadUsage
 MANIFEST = "manifest.json"
 FORMAT = 1
 ONNX_EXPORT = "onnx-export"  # kind of the directories `kvexport export` writes
+#: an export's graphs for onnxruntime only (onnxruntime contrib ops, e.g. the in-place decode step): TensorRT's
+#: engine builder and op checks skip files with this suffix and run the standard graph of the same step
+ORT_ONLY_SUFFIX = ".ort.onnx"
 
 
 def _version() -> str:

@@ -137,6 +137,62 @@ def _latent_attention_fake(q, latent, q_positions, latent_positions, rank, scale
     return q.new_empty(B, Hq, T, rank)
 
 
+# ----------------------------------------------------------------------------- in-place decode (onnxruntime)
+#: the ONNX domain of onnxruntime's contrib ops (GroupQueryAttention), used only by ``*.ort.onnx`` graphs
+ORT_DOMAIN = "com.microsoft"
+
+
+def cache_step_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                                   v_cache: torch.Tensor, cache_positions: torch.Tensor, q_positions: torch.Tensor,
+                                   slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float,
+                                   sliding_window: int, num_heads: int, kv_num_heads: int):
+    """One decode token rotated, written into the cache and attended (the in-place decode graph's attention).
+
+    q (B, 1, Hq * D), k_new / v_new (B, 1, Hc * D): the token's projections before RoPE; k_cache / v_cache
+    (B, Hc, S, D) post-RoPE keys and values; cache_positions (B, Hc, S) int64 **already holding this token's position
+    at its slot** (the host writes positions before the call); q_positions (B, 1); slots (B,) int32: the slot the
+    token goes to (plan rule 4: the layer's fill); cos / sin (B, D/2): the token's rotation (HF's half-split RoPE
+    over the whole head, attention scaling included: :meth:`kvexport.models.rope.Rotary.cos_sin`'s first half).
+    -> out (B, 1, Hq * D), and the cache with the token's rotated key and its value at ``slots`` (every other slot
+    unchanged). Slot j is visible iff :func:`kvexport.models.attention.visible` says so for its position
+    (``sliding_window`` 0 = none); the softmax is :func:`kvexport.models.attention.grouped_attention`'s."""
+    from kvexport.models.attention import grouped_attention
+    from kvexport.models.rope import rotate_half
+
+    B = q.shape[0]
+    D = k_cache.shape[-1]
+    c = torch.cat([cos, cos], -1)[:, None, None, :]  # (B, 1, 1, D)
+    s = torch.cat([sin, sin], -1)[:, None, None, :]
+    qh = q.view(B, 1, num_heads, D).transpose(1, 2)
+    kh = k_new.view(B, 1, kv_num_heads, D).transpose(1, 2)
+    qh, kh = qh * c + rotate_half(qh) * s, kh * c + rotate_half(kh) * s
+    vh = v_new.view(B, 1, kv_num_heads, -1).transpose(1, 2)
+    idx = slots.to(torch.long).view(B, 1, 1, 1)
+    k = k_cache.scatter(2, idx.expand(B, kv_num_heads, 1, D), kh)
+    v = v_cache.scatter(2, idx.expand(B, kv_num_heads, 1, vh.shape[-1]), vh)
+    out, _ = grouped_attention(qh, k, v, q_positions, cache_positions, scale, sliding_window=int(sliding_window) or None)
+    return out.transpose(1, 2).reshape(B, 1, -1), k, v
+
+
+@torch.library.custom_op("kvexport::cache_step_attention", mutates_args=())
+def cache_step_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, cache_positions: torch.Tensor, q_positions: torch.Tensor,
+                         slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float, sliding_window: int,
+                         num_heads: int, kv_num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See :func:`cache_step_attention_reference`; exported as onnxruntime's ``GroupQueryAttention`` (rotary inside)
+    with the cache as a past/present buffer the runtime binds to one memory (written in place, one slot per step)."""
+    out, k, v = cache_step_attention_reference(q, k_new, v_new, k_cache, v_cache, cache_positions, q_positions, slots,
+                                               cos, sin, scale, sliding_window, num_heads, kv_num_heads)
+    return out.contiguous(), k, v
+
+
+@cache_step_attention.register_fake
+def _cache_step_attention_fake(q, k_new, v_new, k_cache, v_cache, cache_positions, q_positions, slots, cos, sin, scale,
+                               sliding_window, num_heads, kv_num_heads):
+    return q.new_empty(q.shape[0], 1, num_heads * v_cache.shape[-1]), torch.empty_like(k_cache), \
+        torch.empty_like(v_cache)
+
+
 # ----------------------------------------------------------------------------- ONNX schemas
 _F = ["tensor(float)", "tensor(float16)"]
 #: what TopKGather gathers, per op version: version 2 adds bfloat16 rows and uint8 codes (quantized caches)
@@ -189,17 +245,44 @@ def _schema_latent_attention(version: int) -> defs.OpSchema:
     )
 
 
+def _schema_group_query_attention() -> defs.OpSchema:
+    """onnxruntime's ``com.microsoft::GroupQueryAttention`` (version 1), as far as kvexport writes it: its first
+    eleven inputs (up to ``attention_bias``) and three outputs, so onnx checks the in-place decode graph and
+    onnxscript can emit the node. onnxruntime's own schema is the authority; this one mirrors its input order."""
+    P = defs.OpSchema.FormalParameter
+    A = defs.OpSchema.AttrType
+    opt = defs.OpSchema.FormalParameterOption.Optional
+    names = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length", "cos_cache",
+             "sin_cache", "position_ids", "attention_bias"]
+    types = {"seqlens_k": "M", "total_sequence_length": "M", "position_ids": "I"}
+    required = {"query", "seqlens_k", "total_sequence_length"}
+    inputs = [P(n, types.get(n, "T"), n, param_option=defs.OpSchema.FormalParameterOption.Single if n in required
+                else opt) for n in names]
+    return defs.OpSchema(
+        "GroupQueryAttention", ORT_DOMAIN, 1,
+        doc="onnxruntime contrib op (kvexport writes it in decode_inplace.ort.onnx only)",
+        inputs=inputs,
+        outputs=[P("output", "T"), P("present_key", "T", param_option=opt), P("present_value", "T", param_option=opt)],
+        type_constraints=[("T", _F, "activations"), ("M", ["tensor(int32)"], "lengths"),
+                          ("I", ["tensor(int64)"], "positions")],
+        attributes=[defs.OpSchema.Attribute("num_heads", A.INT, "query heads", required=True),
+                    defs.OpSchema.Attribute("kv_num_heads", A.INT, "key/value heads", required=True),
+                    defs.OpSchema.Attribute("scale", A.FLOAT, "softmax scale", required=False),
+                    defs.OpSchema.Attribute("do_rotary", A.INT, "1: RoPE of query and key inside", required=False)],
+    )
+
+
 def register_schemas() -> None:
-    """Register the ``kvexport`` domain's schemas with onnx, versions 1 and 2 (idempotent)."""
-    for version in (1, OP_VERSION):
-        for make in (_schema_topk_gather, _schema_latent_attention):
-            s = make(version)
-            try:
-                if defs.get_schema(s.name, version, DOMAIN).since_version == version:
-                    continue
-            except defs.SchemaError:
-                pass
-            defs.register_schema(s)
+    """Register the ``kvexport`` domain's schemas with onnx, versions 1 and 2, and the onnxruntime contrib op the
+    in-place decode graph uses (idempotent)."""
+    made = [make(version) for version in (1, OP_VERSION) for make in (_schema_topk_gather, _schema_latent_attention)]
+    for s in [*made, _schema_group_query_attention()]:
+        try:
+            if defs.get_schema(s.name, s.since_version, s.domain).since_version == s.since_version:
+                continue
+        except defs.SchemaError:
+            pass
+        defs.register_schema(s)
 
 
 # ----------------------------------------------------------------------------- ONNX functions
@@ -463,7 +546,40 @@ def _translations() -> dict:
             return op.ReduceMin(self, keepdims=int(keepdim))
         return op.ReduceMin(self, op.Constant(value_ints=list(dim)), keepdims=int(keepdim))
 
+    msft = onnxscript.values.Opset(ORT_DOMAIN, 1)
+
+    def cache_step_attention_onnx(q, k_new, v_new, k_cache, v_cache, cache_positions, q_positions, slots, cos, sin,
+                                  scale: float, sliding_window: int, num_heads: int, kv_num_heads: int):
+        # onnxruntime's GroupQueryAttention with the cache as past and present (one buffer when the runtime binds
+        # both to it: the kernel then writes only the token's slot, seqlens_k = slot, and attends slots [0, slot]),
+        # the token's RoPE inside (cos/sin rows of this step, read through position_ids = the batch row); which
+        # slots are visible is the standard graph's position rule, as an additive bias per query head
+        Hq, Hc = int(num_heads), int(kv_num_heads)
+        kp = op.Unsqueeze(cache_positions, op.Constant(value_ints=[2]))  # (B, Hc, 1, S)
+        qp = op.Unsqueeze(q_positions, op.Constant(value_ints=[1, 3]))  # (B, 1, 1, 1)
+        vis = op.And(op.GreaterOrEqual(kp, op.Constant(value_int=0)), op.LessOrEqual(kp, qp))
+        if sliding_window:
+            vis = op.And(vis, op.Less(op.Sub(qp, kp), op.Constant(value_int=int(sliding_window))))
+        bias = op.Where(vis, op.CastLike(op.Constant(value_float=0.0), q),
+                        op.CastLike(op.Constant(value_float=float(torch.finfo(torch.float32).min)), q))
+        if Hq != Hc:  # query head h reads KV head h // (Hq / Hc)
+            bias = op.Gather(bias, op.Constant(value_ints=[h // (Hq // Hc) for h in range(Hq)]), axis=1)
+        S = op.Shape(k_cache, start=2, end=3)
+        B = op.Shape(q, start=0, end=1)
+        # cos_cache must have at least total_sequence_length rows: this step's B rows, zero-padded to S
+        rows = op.Concat(op.Sub(op.Max(S, B), B), op.Constant(value_ints=[0]), axis=0)
+        pads = op.Concat(op.Constant(value_ints=[0, 0]), rows, axis=0)
+        total = op.Cast(op.Squeeze(S), to=onnx.TensorProto.INT32)
+        pid = op.Unsqueeze(op.Range(op.Constant(value_int=0), op.Squeeze(B), op.Constant(value_int=1)),
+                           op.Constant(value_ints=[1]))
+        out, k, v = msft.GroupQueryAttention(q, k_new, v_new, k_cache, v_cache,
+                                             op.Cast(slots, to=onnx.TensorProto.INT32), total, op.Pad(cos, pads),
+                                             op.Pad(sin, pads), pid, bias, num_heads=Hq, kv_num_heads=Hc,
+                                             scale=float(scale), do_rotary=1, _outputs=3)
+        return out, k, v
+
     return {torch.ops.kvexport.topk_gather.default: topk_gather_onnx,
+            torch.ops.kvexport.cache_step_attention.default: cache_step_attention_onnx,
             torch.ops.kvexport.latent_attention.default: latent_attention_onnx,
             torch.ops.aten.amax.default: amax_onnx, torch.ops.aten.amin.default: amin_onnx}
 

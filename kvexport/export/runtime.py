@@ -84,8 +84,10 @@ class OrtGenerator:
     per step, so memory stays flat however long the run.
     """
 
+    inplace = False  # whether decode runs the in-place graph (set per export on the CPU; other backends: never)
+
     def __init__(self, path: str | Path, providers: list[str] | None = None, threads: int | None = None,
-                 share_weights: bool = True):
+                 share_weights: bool = True, inplace: bool | None = None):
         try:
             import onnxruntime as ort
         except ImportError:  # pragma: no cover - onnxruntime is a dependency
@@ -105,6 +107,15 @@ class OrtGenerator:
             so.intra_op_num_threads = int(threads)
         self._ort = ort
         graphs = {name: g for name, g in s["graphs"].items() if isinstance(g, dict) and "file" in g}
+        # the in-place decode graph (onnxruntime's GroupQueryAttention on the CPU), when the export has one: used
+        # by default on the CPU; ``inplace=False`` runs decode.onnx instead (the standard graph TensorRT runs too)
+        has = "decode_inplace" in graphs
+        if inplace and (not has or self.device != "cpu"):
+            raise BadUsage(f"{self.path} has no in-place decode graph for this device (export it with "
+                           "--inplace-decode; it runs on onnxruntime's CPU provider)")
+        self.inplace = has and self.device == "cpu" and inplace is not False
+        if has and not self.inplace:
+            del graphs["decode_inplace"]
         opts = {name: so for name in graphs}
         self._shared: dict = {}  # (file, offset, length, type, dims) -> (memory-mapped array, OrtValue over it)
         self._maps: dict = {}  # weights file -> its read-only np.memmap; alive as long as the sessions
@@ -131,6 +142,11 @@ class OrtGenerator:
                               if n.startswith("present_k") or n.startswith("present_v")]
             self._pair: dict[str, list[np.ndarray]] = {}
         self.reset()
+
+    @property
+    def decode_graph(self) -> str:
+        """The graph one decode step runs: ``decode_inplace`` (in place) or ``decode``."""
+        return "decode_inplace" if self.inplace else "decode"
 
     def close(self) -> None:
         """Drop the sessions, then the shared initializers and the weights file's maps (in that order: the
@@ -221,6 +237,7 @@ class OrtGenerator:
         if self.press is not None:
             self.shapes["qpos"] = ((B, W), np.int64)
         self._io_plans: dict[str, tuple] = {}
+        self._ring_names = [(f"qbuf_{i}", f"q_new_{i}") for i in range(len(self.layers))]  # query ring, step rows
 
     def _io_plan(self, graph: str) -> tuple[list[str], list[str], frozenset[str]]:
         """What a call of ``graph`` binds, worked out once per graph: its array inputs (cache buffers or new rows),
@@ -317,7 +334,9 @@ class OrtGenerator:
         self._ovs: dict = {}
         self._persistent: dict = {}
         self.cache = self._cache_buffers(self.plan.slots_for(0) if self.plan.bucketed else None)
-        self.step_out = {n: self._array(shape, dt) for n, (shape, dt) in self.step_shapes.items()}
+        # the in-place decode graph writes the token's k / v into the cache itself: only its query is a step output
+        self.step_out = {n: self._array(shape, dt) for n, (shape, dt) in self.step_shapes.items()
+                         if not (getattr(self, "inplace", False) and _kind(n) == "new" and not n.startswith("q_"))}
         self.logits = self._array((self.batch, int(self.settings["vocab_size"])), self.dtype)
         self.step_out["logits"] = self.logits
         self.staging: dict = {}  # the prefill chunk's rows, held only while a prompt is fed
@@ -539,28 +558,50 @@ class OrtGenerator:
         else:
             step = self.state.decode()
             self._fit(max(step.slots) + 1)
-            rows = self._call("decode", self._feeds("decode", input_ids=tok[:, None], positions=pos),
-                              self._cache_inputs("decode"), self.step_out, persistent=True)
+            if self.inplace:
+                rows = self._decode_in_place(step, tok, pos)
+            else:
+                rows = self._call("decode", self._feeds("decode", input_ids=tok[:, None], positions=pos),
+                                  self._cache_inputs("decode"), self.step_out, persistent=True)
             last = self._logits_now()
-            if self.apply_decode(step, rows, pos):
+            if self.apply_decode(step, rows, pos, written=self.inplace):
                 self._compacted(f"decode:{self.step}")
         self.step += 1
         self.next_pos = self.next_pos + 1
         self.last_logits = last
         return last.copy()
 
-    def apply_decode(self, step, rows: dict, pos) -> bool:
-        """What the plan's DecodeStep ``step`` asks of the host once the decode graph has run: the token's new
-        ``rows`` into their slots, its query into the ring (a press), then the compaction if due (the ``compact``
-        graph, kept rows into slots [0, budget)); ``pos`` (B, 1) the token's positions. -> whether it compacted.
-        One statement for every driver of these buffers (this generator, the server's slots)."""
+    def _decode_in_place(self, step, tok: np.ndarray, pos: np.ndarray) -> dict:
+        """The in-place decode graph: the token's positions into their slots first (its attention reads them), then
+        one call whose ``k_present_i`` / ``v_present_i`` outputs are bound to the cache buffers its ``k_i`` / ``v_i``
+        inputs read, so onnxruntime's GroupQueryAttention writes only the token's slot (``slots`` = the plan's).
+        -> the step's outputs (logits, queries)."""
+        cache = self.cache
         for i, slot in enumerate(step.slots):
+            cache[f"pos_{i}"][:, :, slot] = pos
+        slots = np.repeat(np.asarray(step.slots, np.int32)[:, None], self.batch, axis=1)
+        feeds = {"input_ids": tok[:, None], "positions": pos, "slots": slots}
+        if "decode_inplace" in self._persistent:  # bound already: only the host inputs change
+            return self._call("decode_inplace", feeds, {}, self.step_out, persistent=True)
+        outputs = {**self.step_out, **{o: cache[c] for o, c in
+                                       self.settings["graphs"]["decode_inplace"]["in_place"].items()}}
+        self._call("decode_inplace", self._feeds("decode_inplace", **feeds), self._cache_inputs("decode_inplace"),
+                   outputs, persistent=True)
+        return self.step_out
+
+    def apply_decode(self, step, rows: dict, pos, written: bool = False) -> bool:
+        """What the plan's DecodeStep ``step`` asks of the host once the decode graph has run: the token's new
+        ``rows`` into their slots (unless ``written``: the in-place graph wrote them, and its positions, already),
+        its query into the ring (a press), then the compaction if due (the ``compact`` graph, kept rows into slots
+        [0, budget)); ``pos`` (B, 1) the token's positions. -> whether it compacted. One statement for every driver
+        of these buffers (this generator, the server's slots)."""
+        for i, slot in enumerate(step.slots if not written else ()):
             self._write_rows(rows, i, slot, pos)
         if self.press is not None:
-            q = step.query_slot
-            for i in range(len(self.layers)):
-                self.cache[f"qbuf_{i}"][:, :, q : q + 1] = rows[f"q_new_{i}"]
-            self.cache["qpos"][:, q : q + 1] = self._host(pos)
+            q, cache = step.query_slot, self.cache
+            for ring, new in self._ring_names:
+                cache[ring][:, :, q] = rows[new][:, :, 0]
+            cache["qpos"][:, q] = self._host(pos)[:, 0]
         if not step.compact:
             return False
         start = self.state.query_start

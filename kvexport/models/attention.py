@@ -165,6 +165,9 @@ class GQAAttention(nn.Module):
             self.k_norm = RMSNorm(D, spec.rms_norm_eps)
         self.rotary = rotary
         self.scaling = D**-0.5
+        #: set only while the in-place decode graph is traced (kvexport.export.graphs.InPlaceDecodeStep): the slot
+        #: (B,) int32 this step's token goes to; attention then writes it into the cache and returns the cache
+        self.step_slots: torch.Tensor | None = None
 
     # The cache stores what these return; an MLA attention returns a latent instead (same contract).
     cache_heads = property(lambda self: self.num_kv_heads)
@@ -194,6 +197,8 @@ class GQAAttention(nn.Module):
         past_pos: torch.Tensor,
     ):
         """Attend over the past slots and this step's tokens (without copying the past). past_* may have S = 0."""
+        if self.step_slots is not None:  # one decode token written into the cache in place (onnxruntime graph)
+            return self._step_in_place(h, positions, past_k, past_v, past_pos)
         B, T, _ = h.shape
         q_pre, k_new, v_new = self.project(h, positions)
         q = self.rotary.apply(q_pre, positions)
@@ -202,3 +207,23 @@ class GQAAttention(nn.Module):
                         self.sliding_window)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         return self.o_proj(out), k_new, v_new, q_pre
+
+    def _step_in_place(self, h, positions, past_k, past_v, past_pos):
+        """The in-place decode graph's layer step (T = 1): the projections in (B, 1, H * D) layout, rotated, written
+        into the cache at ``step_slots`` and attended by one :func:`kvexport.export.ops.cache_step_attention`
+        (onnxruntime's GroupQueryAttention). -> out (B, 1, H), the updated k / v cache, q_pre (B, Hq, 1, D) for the
+        query ring. The same arithmetic as :meth:`forward`; only the layout and the one fused op differ."""
+        from kvexport.export import ops
+
+        B, T, _ = h.shape
+        Hq, Hc, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        if self.spec.qk_norm:
+            q = self.q_norm(q.view(B, T, Hq, D)).view(B, T, Hq * D)
+            k = self.k_norm(k.view(B, T, Hc, D)).view(B, T, Hc * D)
+        cos, sin = self.rotary.cos_sin(positions, q.dtype)  # (B, 1, D), halves repeated
+        half = self.rotary.dim // 2
+        out, k_cache, v_cache = ops.cache_step_attention(
+            q, k, v, past_k, past_v, past_pos, positions, self.step_slots, cos[:, 0, :half], sin[:, 0, :half],
+            float(self.scaling), int(self.sliding_window or 0), Hq, Hc)
+        return self.o_proj(out), k_cache, v_cache, q.view(B, T, Hq, D).transpose(1, 2)

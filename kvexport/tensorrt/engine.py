@@ -228,12 +228,19 @@ def build_engine(
 def find_onnx_graphs(export_dir: str | Path) -> list[Path]:
     """Every ``*.onnx`` graph of an exported directory (top level first, else any depth), sorted by name.
 
-    Files ending in ``.trt*.onnx`` (our own temporary parser copies) are ignored.
+    Files ending in ``.trt*.onnx`` (our own temporary parser copies) and onnxruntime-only graphs
+    (:data:`kvexport.export.manifest.ORT_ONLY_SUFFIX`: the in-place decode step) are ignored.
     """
+    from kvexport.export.manifest import ORT_ONLY_SUFFIX
+
     d = Path(export_dir)
-    found = sorted(p for p in d.glob("*.onnx") if ".trt" not in p.name)
+
+    def ours(p: Path) -> bool:
+        return ".trt" not in p.name and not p.name.endswith(ORT_ONLY_SUFFIX)
+
+    found = sorted(p for p in d.glob("*.onnx") if ours(p))
     if not found:
-        found = sorted(p for p in d.rglob("*.onnx") if ".trt" not in p.name)
+        found = sorted(p for p in d.rglob("*.onnx") if ours(p))
     return found
 
 

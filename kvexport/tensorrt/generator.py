@@ -23,7 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kvexport.errors import BadArtifact, MissingBackend
-from kvexport.export.manifest import MANIFEST, sha256_file, verify_manifest
+from kvexport.export.manifest import MANIFEST, ORT_ONLY_SUFFIX, sha256_file, verify_manifest
 from kvexport.export.manifest import ONNX_EXPORT as KIND
 from kvexport.export.runtime import NP_DTYPES, OrtGenerator
 
@@ -76,7 +76,8 @@ class TrtGenerator(OrtGenerator):
                               "static-cache exports (use --backend onnxruntime for the baseline)")
         self.engine_dir = Path(engines) if engines is not None else default_engine_dir(self.path)
         self.engine_manifest = verify_engine_dir(self.path, self.engine_dir)
-        graphs = {name: g for name, g in s["graphs"].items() if isinstance(g, dict) and "file" in g}
+        graphs = {name: g for name, g in s["graphs"].items()
+                  if isinstance(g, dict) and "file" in g and not g["file"].endswith(ORT_ONLY_SUFFIX)}
         self.runners = {}
         for name, g in graphs.items():
             eng = self.engine_dir / (Path(g["file"]).stem + ".engine")

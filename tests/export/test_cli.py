@@ -202,3 +202,21 @@ def test_step_api_matches_generate(exported):
         for x, y in zip(a, b, strict=True):
             np.testing.assert_array_equal(x, y)
     assert not gen.generate(ids, None, 15).step_logits  # nothing kept per step unless asked
+
+
+def test_inplace_decode_flag(model_dir, tmp_path, capsys):
+    """`kvexport export --inplace-decode` writes decode_inplace.ort.onnx and `kvexport generate` runs it to the
+    tokens of the standard graph; with an MLA rewrite it is refused in one line, nothing written."""
+    from kvexport.export import OrtGenerator
+
+    out = tmp_path / "ip"
+    assert main(["export", str(model_dir), "--out", str(out), *ARGS, "--inplace-decode"]) == 0
+    assert (out / "decode_inplace.ort.onnx").is_file()
+    ids = np.random.default_rng(0).integers(3, 4000, (1, 30))
+    a = OrtGenerator(out).generate(ids, None, 12)
+    b = OrtGenerator(out, inplace=False).generate(ids, None, 12)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    bad = tmp_path / "mla"
+    rc, err = _code(["export", str(model_dir), "--out", str(bad), *ARGS, "--mla-rank", "16", "--inplace-decode"],
+                    capsys)
+    assert rc == 2 and len(err) == 1 and "grouped-query attention" in err[0] and not bad.exists()
