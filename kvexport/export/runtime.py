@@ -382,7 +382,7 @@ class OrtGenerator:
         new rows; for the growing past, the spare buffer its next present is written to), ``logits``, ``staging`` (a
         prefill chunk's rows, only while a prompt is fed) and ``total``. The formula:
         :meth:`kvexport.profile.kv_bytes.CacheShape.resident_bytes_at` (``double_buffer=True`` for the growing past
-        on CPU)."""
+        on CPU, ``in_place=True`` when decode runs the in-place graph)."""
         out = dict.fromkeys(("kv", "scales", "positions", "queries", "query_positions", "step_outputs", "logits",
                              "staging"), 0)
         if self.dynamic:

@@ -119,12 +119,15 @@ class CacheShape:
             return batch * int(context) * 8
         return batch * self.cache_heads() * sum(self.layer_slots(context)) * 8
 
-    def resident_bytes_at(self, context: int, batch: int = 1, double_buffer: bool = False) -> dict[str, int]:
+    def resident_bytes_at(self, context: int, batch: int = 1, double_buffer: bool = False,
+                          in_place: bool = False) -> dict[str, int]:
         """Every byte held for ``batch`` sequences of ``context`` tokens while decoding, by kind, and ``total``.
 
         ``double_buffer``: a growing past whose runtime keeps the next step's present in a second buffer of the
         cache's size (kvexport's onnxruntime runner on CPU), counted in ``step_outputs``; without it the growing
-        past is counted as the cache a sequence keeps (the original model's, in the MLA accounting)."""
+        past is counted as the cache a sequence keeps (the original model's, in the MLA accounting). ``in_place``:
+        the decode step writes its rows into the cache itself (an export's ``decode_inplace`` graph), so the only
+        step outputs are the press's queries."""
         out = {"kv": self.bytes_at(context, batch), "scales": self.scale_bytes_at(context, batch),
                "positions": self.index_bytes_at(context, batch), "queries": 0, "query_positions": 0}
         if self.evicting:
@@ -135,18 +138,19 @@ class CacheShape:
             out["queries"] = batch * self.query_heads * self.window * sum(dims) * self.dtype_bytes
             out["query_positions"] = batch * self.window * 8
         static = self.evicting or bool(self.capacity)  # a growing past returns a new present each step instead
-        out["step_outputs"] = self.step_bytes(batch, 1) if static else (self.bytes_at(context, batch) if double_buffer
-                                                                          else 0)
+        out["step_outputs"] = self.step_bytes(batch, 1, rows=not in_place) if static else \
+            (self.bytes_at(context, batch) if double_buffer else 0)
         out["logits"] = batch * self.vocab_size * self.dtype_bytes if static else 0
         out["staging"] = 0
         out["total"] = sum(out.values())
         return out
 
-    def step_bytes(self, batch: int, tokens: int) -> int:
+    def step_bytes(self, batch: int, tokens: int, rows: bool = True) -> int:
         """New rows a step of ``tokens`` tokens returns (keys and values as stored, with their scales, and with a
-        press the queries), all layers."""
+        press the queries), all layers; ``rows=False``: the queries only (rows written into the cache in place)."""
         stored = sum(self.elements_per_token()) * self.kv_format.element_bytes
         stored += self.num_layers * self.cache_heads() * self.scaled_tensors() * SCALE_BYTES
+        stored *= int(rows)
         queries = 0
         if self.evicting:
             dims = self.elements_per_token() if self.mla_ranks is not None else [self.query_dim or self.head_dim] * \

@@ -119,6 +119,24 @@ def test_the_step_writes_one_slot_and_outputs_are_declared_aliases(tiny_models, 
             assert not np.array_equal(now[:, :, slot], was[:, :, slot])
             np.testing.assert_array_equal(np.delete(now, slot, axis=2), np.delete(was, slot, axis=2))
     assert "k_new_0" not in gen.step_out  # no step buffer for rows written in place (memory as held)
+    from kvexport.profile.kv_bytes import CacheShape
+
+    shape = CacheShape.from_export(verify_manifest(out)["settings"])
+    assert gen.resident_bytes() == shape.resident_bytes_at(21, in_place=True)
+    std = OrtGenerator(out, providers=["CPUExecutionProvider"], inplace=False)
+    std.prefill(np.random.default_rng(4).integers(3, 128, (1, 20)))
+    assert std.resident_bytes() == shape.resident_bytes_at(21)
+    assert shape.resident_bytes_at(21)["total"] - gen.resident_bytes()["total"] == shape.step_bytes(1, 1) - \
+        shape.step_bytes(1, 1, rows=False) > 0
+
+
+def test_fp16(tiny_models, tmp_path):
+    hf = tiny_models("qwen2")
+    out = export_model(hf, tmp_path / "h", press=_snapkv(), window=4, chunk=8, dtype="fp16", inplace_decode=True)
+    pair = validate(out, steps=STEPS, model=hf)["pairs"]["pytorch~onnxruntime"]
+    assert pair["passed"]
+    inpl, std = _both(out, np.random.default_rng(5).integers(3, 128, (1, 29)))
+    _same(inpl, std, atol=2e-2)
 
 
 def test_refusals(tiny_models, tmp_path):
