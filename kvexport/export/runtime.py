@@ -336,7 +336,7 @@ class OrtGenerator:
         self.cache = self._cache_buffers(self.plan.slots_for(0) if self.plan.bucketed else None)
         # the in-place decode graph writes the token's k / v into the cache itself: only its query is a step output
         self.step_out = {n: self._array(shape, dt) for n, (shape, dt) in self.step_shapes.items()
-                         if not (getattr(self, "inplace", False) and _kind(n) == "new" and not n.startswith("q_"))}
+                         if not (self.inplace and _kind(n) == "new" and not n.startswith("q_"))}
         self.logits = self._array((self.batch, int(self.settings["vocab_size"])), self.dtype)
         self.step_out["logits"] = self.logits
         self.staging: dict = {}  # the prefill chunk's rows, held only while a prompt is fed

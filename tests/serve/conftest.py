@@ -3,7 +3,8 @@
 first worker exports, the others wait for it), and a copy of it whose tokenizer has a chat template.
 
 The export is small enough for compactions to happen in short runs: SnapKV budget 32 + window 8, prefill chunks
-of 16, ``decode_batch`` 4 (four slots decoded in one graph call), positions limited to 512; and, for the tests
+of 16, ``decode_batch`` 4 (four slots decoded in one graph call), positions limited to 512, and the in-place decode
+graph (which the slots leave alone and the solo reference runs); and, for the tests
 that need it, the same rewritten to MLA (``mla_export_dir``, the kind of export ``kvexport convert`` makes).
 """
 
@@ -41,7 +42,8 @@ def _make_exports(root: Path) -> dict[str, Path]:
         shutil.rmtree(plain, ignore_errors=True)
         shutil.rmtree(chat, ignore_errors=True)
         export_model(str(STUDENT), plain, press=make_press("snapkv", budget=BUDGET, window_size=WINDOW),
-                     window=WINDOW, chunk=CHUNK, batch=1, decode_batch=SLOTS, max_positions=MAX_POSITIONS)
+                     window=WINDOW, chunk=CHUNK, batch=1, decode_batch=SLOTS, max_positions=MAX_POSITIONS,
+                     inplace_decode=True)  # the slots run decode(_batch).onnx; OrtGenerator (solo) the in-place one
         # the same export with a tokenizer that has a chat template (the bundled one has none)
         shutil.copytree(plain, chat)
         cfg = chat / "tokenizer" / "tokenizer_config.json"

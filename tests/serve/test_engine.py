@@ -51,6 +51,7 @@ def assert_same_kept(got: list, want_steps: list[str], want_kept: list) -> None:
 def test_slots_equal_solo_runs(export_dir, tokenizer, solo, decode):
     backend = GraphSlots(export_dir, max_sequences=2, decode=decode)
     assert backend.rt.batched is (decode == "batched") and backend.n_slots == 2
+    assert solo.inplace and not backend.rt.inplace and "decode_inplace" not in backend.rt.sessions
     seqs, ticks = run(backend, tokenizer)
     for s in seqs:
         free = solo.generate(np.array([s.prompt]), max_new_tokens=s.max_tokens)  # greedy, nothing forced

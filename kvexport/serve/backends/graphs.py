@@ -148,8 +148,10 @@ class GraphSlots(SlotBackend):
             if s["mode"] != "static":
                 raise BadArtifact(f"{export_dir} is a growing-past (--dynamic-cache) export: its memory grows with "
                                   "each sequence; serve a static-cache export (--press P --budget B, or --press none)")
+            # the slots decode through decode.onnx / decode_batch.onnx (an in-place graph, if the export has one,
+            # is batch 1 over OrtGenerator's own buffers: not opened)
             rt = _OrtSlots(export_dir, threads=threads, slots=max_sequences or s.get("decode_batch") or 4,
-                           decode=decode, **(runtime_kw or {}))
+                           decode=decode, **{"inplace": False, **(runtime_kw or {})})
         check_feeds(rt)
         if decode == "batched" and not rt.batched:
             raise BadUsage(f"--decode batched needs a decode_batch graph; {export_dir} has none (export it with "
