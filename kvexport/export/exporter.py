@@ -676,7 +676,7 @@ def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: P
                (ids1, pos1, slots, *cache), ["input_ids", "positions", "slots"] + kv,
                ["logits"] + graphs.inplace_names(shapes, wq), n_graphs - (decode_batch is not None),
                (dyn[0], dyn[1], None, dyn[2]) if dyn is not None else None, file=INPLACE_FILE)
-        files["decode_inplace"]["in_place"] = {f"{f}_present_{i}": f"{f}_{i}" for i in range(L) for f in ("k", "v")}
+        files["decode_inplace"]["in_place"] = graphs.in_place_map(L)
     if decode_batch is not None:
         N = int(decode_batch)
         export("decode_batch", graphs.DecodeStep(dec, press, budgets, window, kv_dtype),

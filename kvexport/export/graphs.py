@@ -254,11 +254,17 @@ class InPlaceDecodeStep(_CacheGraph):
         return (self.head(h[:, -1]), *new)
 
 
+def in_place_map(n_layers: int) -> dict[str, str]:
+    """The in-place decode graph's aliased outputs -> the cache inputs they are bound to (k_present_i -> k_i, ...)."""
+    return {f"{f}_present_{i}": f"{f}_{i}" for i in range(n_layers) for f in ("k", "v")}
+
+
 def inplace_names(layers, with_queries: bool) -> list[str]:
-    """The in-place decode graph's outputs after the logits: k_present_i, v_present_i (and q_new_i)."""
+    """The in-place decode graph's outputs after the logits: per layer k_present_i, v_present_i (and q_new_i)."""
+    aliased = list(in_place_map(len(layers)))
     out = []
     for i in range(len(layers)):
-        out += [f"k_present_{i}", f"v_present_{i}"] + ([f"q_new_{i}"] if with_queries else [])
+        out += aliased[2 * i : 2 * i + 2] + ([f"q_new_{i}"] if with_queries else [])
     return out
 
 

@@ -143,24 +143,25 @@ ORT_DOMAIN = "com.microsoft"
 
 
 def cache_step_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                                   v_cache: torch.Tensor, cache_positions: torch.Tensor, q_positions: torch.Tensor,
-                                   slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float,
-                                   sliding_window: int, num_heads: int, kv_num_heads: int):
-    """One decode token rotated, written into the cache and attended (the in-place decode graph's attention).
+                                   v_cache: torch.Tensor, bias: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
+                                   sin: torch.Tensor, scale: float, num_heads: int, kv_num_heads: int):
+    """One decode token rotated, written into the cache and attended (the in-place decode graph's attention; the
+    contract of onnxruntime's GroupQueryAttention as the graph uses it).
 
     q (B, 1, Hq * D), k_new / v_new (B, 1, Hc * D): the token's projections before RoPE; k_cache / v_cache
-    (B, Hc, S, D) post-RoPE keys and values; cache_positions (B, Hc, S) int64 **already holding this token's position
-    at its slot** (the host writes positions before the call); q_positions (B, 1); slots (B,) int32: the slot the
-    token goes to (plan rule 4: the layer's fill); cos / sin (B, D/2): the token's rotation (HF's half-split RoPE
-    over the whole head, attention scaling included: :meth:`kvexport.models.rope.Rotary.cos_sin`'s first half).
-    -> out (B, 1, Hq * D), and the cache with the token's rotated key and its value at ``slots`` (every other slot
-    unchanged). Slot j is visible iff :func:`kvexport.models.attention.visible` says so for its position
-    (``sliding_window`` 0 = none); the softmax is :func:`kvexport.models.attention.grouped_attention`'s."""
-    from kvexport.models.attention import grouped_attention
+    (B, Hc, S, D) post-RoPE keys and values; bias (B, Hq, 1, S) additive, in q's dtype: 0 where query head h may
+    see slot j, a large negative number where not (the caller makes it from
+    :func:`kvexport.models.attention.visible`, the one visibility rule); slots (B,) int32: the slot the token goes
+    to (plan rule 4: the layer's fill); cos / sin (B, D/2): the token's rotation (HF's half-split RoPE over the whole
+    head, attention scaling included: :meth:`kvexport.models.rope.Rotary.cos_sin`'s first half).
+    -> out (B, 1, Hq * D) = softmax(scale · q·Kᵀ + bias) V over the cache with the token's rotated key and value at
+    ``slots``, and that cache (every other slot unchanged). Query head h reads KV head h // (Hq / Hc); softmax in
+    float32."""
     from kvexport.models.rope import rotate_half
 
     B = q.shape[0]
     D = k_cache.shape[-1]
+    G = num_heads // kv_num_heads
     c = torch.cat([cos, cos], -1)[:, None, None, :]  # (B, 1, 1, D)
     s = torch.cat([sin, sin], -1)[:, None, None, :]
     qh = q.view(B, 1, num_heads, D).transpose(1, 2)
@@ -170,25 +171,28 @@ def cache_step_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: 
     idx = slots.to(torch.long).view(B, 1, 1, 1)
     k = k_cache.scatter(2, idx.expand(B, kv_num_heads, 1, D), kh)
     v = v_cache.scatter(2, idx.expand(B, kv_num_heads, 1, vh.shape[-1]), vh)
-    out, _ = grouped_attention(qh, k, v, q_positions, cache_positions, scale, sliding_window=int(sliding_window) or None)
+    kq, vq = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, Hq, S, .)
+    logits = torch.matmul(qh, kq.transpose(-1, -2)).float() * scale + bias.float()
+    out = torch.matmul(torch.softmax(logits, dim=-1).to(vq.dtype), vq)  # (B, Hq, 1, Dv)
     return out.transpose(1, 2).reshape(B, 1, -1), k, v
 
 
 @torch.library.custom_op("kvexport::cache_step_attention", mutates_args=())
 def cache_step_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, cache_positions: torch.Tensor, q_positions: torch.Tensor,
-                         slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float, sliding_window: int,
-                         num_heads: int, kv_num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         v_cache: torch.Tensor, bias: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, scale: float, num_heads: int, kv_num_heads: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See :func:`cache_step_attention_reference`; exported as onnxruntime's ``GroupQueryAttention`` (rotary inside)
-    with the cache as a past/present buffer the runtime binds to one memory (written in place, one slot per step)."""
-    out, k, v = cache_step_attention_reference(q, k_new, v_new, k_cache, v_cache, cache_positions, q_positions, slots,
-                                               cos, sin, scale, sliding_window, num_heads, kv_num_heads)
+    with the cache as a past/present buffer the runtime binds to one memory (written in place, one slot per step).
+    ``num_heads`` / ``kv_num_heads``: q's and the cache's heads (attributes of the ONNX node)."""
+    out, k, v = cache_step_attention_reference(q, k_new, v_new, k_cache, v_cache, bias, slots, cos, sin, scale,
+                                               num_heads, kv_num_heads)
     return out.contiguous(), k, v
 
 
 @cache_step_attention.register_fake
-def _cache_step_attention_fake(q, k_new, v_new, k_cache, v_cache, cache_positions, q_positions, slots, cos, sin, scale,
-                               sliding_window, num_heads, kv_num_heads):
+def _cache_step_attention_fake(q, k_new, v_new, k_cache, v_cache, bias, slots, cos, sin, scale, num_heads,
+                               kv_num_heads):
     return q.new_empty(q.shape[0], 1, num_heads * v_cache.shape[-1]), torch.empty_like(k_cache), \
         torch.empty_like(v_cache)
 
@@ -548,22 +552,13 @@ def _translations() -> dict:
 
     msft = onnxscript.values.Opset(ORT_DOMAIN, 1)
 
-    def cache_step_attention_onnx(q, k_new, v_new, k_cache, v_cache, cache_positions, q_positions, slots, cos, sin,
-                                  scale: float, sliding_window: int, num_heads: int, kv_num_heads: int):
+    def cache_step_attention_onnx(q, k_new, v_new, k_cache, v_cache, bias, slots, cos, sin, scale: float,
+                                  num_heads: int, kv_num_heads: int):
         # onnxruntime's GroupQueryAttention with the cache as past and present (one buffer when the runtime binds
         # both to it: the kernel then writes only the token's slot, seqlens_k = slot, and attends slots [0, slot]),
-        # the token's RoPE inside (cos/sin rows of this step, read through position_ids = the batch row); which
-        # slots are visible is the standard graph's position rule, as an additive bias per query head
+        # the token's RoPE inside (cos/sin rows of this step, read through position_ids = the batch row), the
+        # visibility the caller's bias
         Hq, Hc = int(num_heads), int(kv_num_heads)
-        kp = op.Unsqueeze(cache_positions, op.Constant(value_ints=[2]))  # (B, Hc, 1, S)
-        qp = op.Unsqueeze(q_positions, op.Constant(value_ints=[1, 3]))  # (B, 1, 1, 1)
-        vis = op.And(op.GreaterOrEqual(kp, op.Constant(value_int=0)), op.LessOrEqual(kp, qp))
-        if sliding_window:
-            vis = op.And(vis, op.Less(op.Sub(qp, kp), op.Constant(value_int=int(sliding_window))))
-        bias = op.Where(vis, op.CastLike(op.Constant(value_float=0.0), q),
-                        op.CastLike(op.Constant(value_float=float(torch.finfo(torch.float32).min)), q))
-        if Hq != Hc:  # query head h reads KV head h // (Hq / Hc)
-            bias = op.Gather(bias, op.Constant(value_ints=[h // (Hq // Hc) for h in range(Hq)]), axis=1)
         S = op.Shape(k_cache, start=2, end=3)
         B = op.Shape(q, start=0, end=1)
         # cos_cache must have at least total_sequence_length rows: this step's B rows, zero-padded to S

@@ -223,7 +223,12 @@ class GQAAttention(nn.Module):
             k = self.k_norm(k.view(B, T, Hc, D)).view(B, T, Hc * D)
         cos, sin = self.rotary.cos_sin(positions, q.dtype)  # (B, 1, D), halves repeated
         half = self.rotary.dim // 2
+        # the position rule as an additive bias per query head (past_pos already holds this token's position)
+        vis = visible(positions, past_pos, self.sliding_window)  # (B, Hc, 1, S)
+        bias = torch.where(vis, 0.0, torch.finfo(torch.float32).min).to(q.dtype)
+        if Hq != Hc:
+            bias = bias.index_select(1, torch.arange(Hq, device=bias.device) // (Hq // Hc))
         out, k_cache, v_cache = ops.cache_step_attention(
-            q, k, v, past_k, past_v, past_pos, positions, self.step_slots, cos[:, 0, :half], sin[:, 0, :half],
-            float(self.scaling), int(self.sliding_window or 0), Hq, Hc)
+            q, k, v, past_k, past_v, bias, self.step_slots, cos[:, 0, :half], sin[:, 0, :half], float(self.scaling),
+            Hq, Hc)
         return self.o_proj(out), k_cache, v_cache, q.view(B, T, Hq, D).transpose(1, 2)
