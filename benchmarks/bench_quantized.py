@@ -18,6 +18,7 @@ quantized cache. Targets: agreement >= 98 %, recall within 5 points of fp32.
     python benchmarks/bench_quantized.py [--context 4096] [--windows 8] [--steps 64] [--recall 192:32 192:32:64 1400:8]
         [--formats int8 fp8 fp16 bf16] [--equalize auto|on|off] [--out docs/quantized_results.json]
     python benchmarks/bench_quantized.py --runtime onnxruntime --configs mla+press   # exports against the fp32 export
+    python benchmarks/bench_quantized.py --model models/kvx-teacher-2x ...           # another reference model
 
 MLA models are rewritten with the latent equalized for int8 (``--equalize auto``, as convert does) and plain for the
 other formats.
@@ -41,7 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FORMATS = {"mla+press": ("int8", "fp8"), "press": ("int8",), "mla": ("int8",)}
 
 
-def build(mla: bool, equalize: bool = False, mla_dir: str | None = None, distill_tokens: int | None = None):
+def build(mla: bool, equalize: bool = False, mla_dir: str | None = None, distill_tokens: int | None = None,
+          model: str = "models/kvx-student"):
     """The student (fp32), rewritten to MLA when ``mla`` (convert's default rank; ``equalize``: the latent equalized)
     or, with ``mla_dir``, the saved MLA model there (e.g. a distilled one) as it is; ``distill_tokens``: the
     rewrite then distilled from the original student on that many train-split tokens (kvexport.mla.distill, lr 1e-3,
@@ -50,7 +52,7 @@ def build(mla: bool, equalize: bool = False, mla_dir: str | None = None, distill
     from kvexport.mla.config import MLASettings, max_kv_rank
     from kvexport.models.loading import load_decoder, load_tokenizer
 
-    path = ROOT / "models" / "kvx-student"
+    path = ROOT / model
     tok = load_tokenizer(path)
     if mla and mla_dir:
         from kvexport.mla.io import load_mla
@@ -62,7 +64,7 @@ def build(mla: bool, equalize: bool = False, mla_dir: str | None = None, distill
                                                "equalize_latent": s.equalize_latent}}
         return dec.eval(), tok, info
     dec, _ = load_decoder(path, "fp32")
-    info = {"model": "models/kvx-student", "mla": None}
+    info = {"model": model, "mla": None}
     if mla:
         from kvexport.mla.rewrite import rewrite_to_mla
 
@@ -86,7 +88,7 @@ def build(mla: bool, equalize: bool = False, mla_dir: str | None = None, distill
                 summary = distill(dec, teacher.eval(), train_tokens(tok, cfg.tokens), Path(tmp) / "d", cfg, cpu=True,
                                   progress=False, tokenizer_dir=path)
                 dec = load_mla(Path(tmp) / "d", dtype=torch.float32)
-            info["mla"]["distilled"] = {"tokens": cfg.tokens, "teacher": "models/kvx-student", "lr": cfg.lr,
+            info["mla"]["distilled"] = {"tokens": cfg.tokens, "teacher": model, "lr": cfg.lr,
                                         "final_kl": summary["final"]["kl"],
                                         "seconds": round(time.perf_counter() - t0, 1)}
     return dec.eval(), tok, info
@@ -121,6 +123,9 @@ def recall(dec, tok, press_factory, window: int, chunk: int, kv_dtypes, n: int, 
 @torch.no_grad()
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="models/kvx-student",
+                    help="the reference model (a directory under the repository; e.g. models/kvx-teacher-2x, which "
+                         "retrieves, for recall under eviction)")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--steps", type=int, default=64)
@@ -151,6 +156,8 @@ def main(argv=None) -> None:
     ap.add_argument("--export-dir", help="where --runtime onnxruntime writes its exports (default: a temporary directory)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "quantized_results.json"))
     args = ap.parse_args(argv)
+    if [r.lower() for r in args.recall] == ["none"]:
+        args.recall = []
     if args.runtime == "onnxruntime":
         return export_twins(args)
 
@@ -181,7 +188,7 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         models = {}
         for eq in sorted({equalized(cfg, k) for k in fmts}):  # one rewrite per latent basis
-            dec, tok, info = build(cfg.startswith("mla"), eq, args.mla_model, args.distill_tokens)
+            dec, tok, info = build(cfg.startswith("mla"), eq, args.mla_model, args.distill_tokens, args.model)
             models[eq] = dec
             wins = heldout_windows(tok, args.windows, args.context + args.steps + 1)
             if wins.shape[0] < args.windows:
@@ -234,7 +241,7 @@ def export_twins(args) -> None:
     from kvexport.presses import make_press
     from kvexport.profile.run import model_spec
 
-    path = ROOT / "models" / "kvx-student"
+    path = ROOT / args.model
     sp = model_spec(path)
     rope = default_rope_dim(sp.head_dim)
     rank = default_mla_rank(sp.num_kv_heads, sp.head_dim, rope,
@@ -243,6 +250,8 @@ def export_twins(args) -> None:
     results: dict = {"settings": {k.replace("_", "-"): v for k, v in vars(args).items() if k not in ("out", "export_dir")},
                      "runtime": "onnxruntime (CPUExecutionProvider)", "configs": {}}
     t_all = time.perf_counter()
+    if args.export_dir:
+        Path(args.export_dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.export_dir) as tmp:
         for cfg in args.configs:
             if cfg == "mla":
