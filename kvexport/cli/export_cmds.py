@@ -69,8 +69,8 @@ def validate_cmd(
     prompt: list[str] = typer.Option([], "--prompt", "-p", help="Prompt text (repeatable). Default: random token "
                                      "ids with lengths below, at and above the budget and over several chunks."),
     steps: int = typer.Option(64, help="Decode steps per prompt."),
-    atol: Optional[float] = typer.Option(None, help="Absolute logit tolerance (default fp32 1e-4, fp16 5e-2)."),
-    rtol: Optional[float] = typer.Option(None, help="Relative logit tolerance (default fp32 1e-3, fp16 5e-2)."),
+    atol: Optional[float] = typer.Option(None, help="Absolute logit tolerance (default fp32 1e-4; fp16 or an int8 / fp8 cache 5e-2)."),
+    rtol: Optional[float] = typer.Option(None, help="Relative logit tolerance (default fp32 1e-3; fp16 or an int8 / fp8 cache 5e-2)."),
     backend: str = typer.Option("onnxruntime", help="onnxruntime (pytorch~onnxruntime) or tensorrt (adds "
                                 "onnxruntime~tensorrt and pytorch~tensorrt; needs engines from `kvexport build-engine`)."),
     engines: Optional[Path] = typer.Option(None, help="TensorRT engine folder (default: DIR-tensorrt, or DIR/engine "
@@ -198,7 +198,7 @@ def generate_from_export(directory: Path, prompts: list[str], max_new_tokens: in
 
     from rich.console import Console
 
-    from kvexport.cli.common import encode_prompts
+    from kvexport.cli.common import cache_summary, encode_prompts
     from kvexport.errors import BadUsage
     from kvexport.models.loading import load_tokenizer
 
@@ -218,4 +218,4 @@ def generate_from_export(directory: Path, prompts: list[str], max_new_tokens: in
     for i in range(ids.shape[0]):
         console.print(f"[bold]{prompts[i][:60]!r}[/] -> {tok.decode(res.tokens[i].tolist())!r}", highlight=False)
     console.print(f"[dim]{res.tokens.shape[1]} tokens in {dt:.2f}s with {backend} ({gen.providers[0]}); "
-                  f"{s['mode']} cache {res.cache_bytes / 1024:.1f} KiB; {res.compactions} compactions[/]")
+                  f"{s['mode']} {cache_summary(res.resident_bytes)}; {res.compactions} compactions[/]")
