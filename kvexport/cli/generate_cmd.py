@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from kvexport.cli import app
-from kvexport.cli.common import PRESS_HELP, build_press, encode_prompts, read_prompt_file, resolve_model
+from kvexport.cli.common import PRESS_HELP, build_press, cache_summary, encode_prompts, read_prompt_file, resolve_model
 
 DEFAULT_BUDGET = 256
 
@@ -81,4 +81,4 @@ def generate_cmd(
     for i in range(ids.shape[0]):
         console.print(f"[bold]{prompts[i][:60]!r}[/] -> {tok.decode(res.tokens[i].tolist())!r}", highlight=False)
     console.print(f"[dim]{res.tokens.shape[1]} tokens in {dt:.2f}s; press={press} budget={budget} ratio={ratio} "
-                  f"window={window}; cache {res.cache_bytes / 1024:.1f} KiB fixed; {res.compactions} compactions[/]")
+                  f"window={window}; {cache_summary(res.resident_bytes)}, fixed; {res.compactions} compactions[/]")

@@ -34,6 +34,20 @@ def test_generate_with_a_press_defaults_its_budget():
     assert "press=knorm budget=256" in r.stdout
 
 
+def test_generate_reports_the_quantized_cache_as_held():
+    """The memory line of an int8 run counts the codes, their scales and every other resident buffer. By hand for
+    the student (4 layers, 2 KV heads, 4 query heads, head_dim 32), budget 8 + window 2 = 10 slots: codes
+    4 x 2 (K, V) x 2 x 10 x 32 x 1 B = 5120 B; scales 4 x 2 x 2 x 10 x 2 B = 320 B; int64 positions
+    4 x 2 x 10 x 8 = 640 B; fp32 query ring 4 heads x 2 x 32 x 4 layers x 4 B = 4096 B and its positions 2 x 8 B:
+    10 192 B."""
+    r = _kvexport("generate", str(DEFAULT_MODEL), "--press", "knorm", "--budget", "8", "--window", "2",
+                  "--kv-dtype", "int8", "-p", "import os", "-n", "4")
+    assert r.returncode == 0, r.stderr
+    line = " ".join(r.stdout.split())
+    assert f"cache {5440 / 1024:.1f} KiB (K/V {5120 / 1024:.1f} + scales {320 / 1024:.1f}), " \
+           f"{10192 / 1024:.1f} KiB resident" in line, line
+
+
 def test_bad_kv_dtype_is_one_line(tmp_path):
     """An unknown --kv-dtype: one line naming the accepted formats, a non-zero exit, no traceback, nothing
     written."""
