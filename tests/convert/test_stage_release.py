@@ -27,11 +27,16 @@ def test_no_model_survives_the_export_stage(tmp_path, monkeypatch):
     tiny_model("qwen3", head_dim=32, vocab_size=512, max_positions=512, tie_word_embeddings=True).save_pretrained(src)
     seen = {}
 
+    def models():
+        return [o for o in gc.get_objects() if issubclass(type(o), torch.nn.Module)
+                and (issubclass(type(o), Decoder) or type(o).__name__.endswith("ForCausalLM"))]
+
+    gc.collect()  # what earlier tests in this process left is not the stage's
+    before = {id(o) for o in models()}
+
     def at_validate(st):
         # no gc.collect() here: what is alive now is what validate would start with
-        mods = [o for o in gc.get_objects() if issubclass(type(o), torch.nn.Module)
-                and (issubclass(type(o), Decoder) or type(o).__name__.endswith("ForCausalLM"))]
-        seen["models"] = [type(o).__name__ for o in mods]
+        seen["models"] = [type(o).__name__ for o in models() if id(o) not in before]
         raise _Stop
 
     monkeypatch.setattr(st_mod, "stage_validate", at_validate)
