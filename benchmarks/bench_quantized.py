@@ -3,8 +3,7 @@
 
 Configurations (PyTorch library path, :func:`kvexport.generation.generate`):
 
-- ``mla+press``: the student rewritten to MLA with convert's default settings (``default_mla_rank`` /
-  ``default_rope_dim``: r_kv 32 + d_rope 32, SVD/PCA rewrite, not distilled) and a press with a token budget;
+- ``mla+press``: the student rewritten to MLA with convert's default settings (``showcase_mla``: r_kv 32 + d_rope 32, SVD/PCA rewrite, not distilled) and a press with a token budget;
 - ``press``: eviction only (no MLA), the same press;
 - ``mla``: (diagnostic) MLA with a full cache (no eviction): the quantization error alone, without eviction
   decisions that diverge.
@@ -48,8 +47,8 @@ def build(mla: bool, equalize: bool = False, mla_dir: str | None = None, distill
     or, with ``mla_dir``, the saved MLA model there (e.g. a distilled one) as it is; ``distill_tokens``: the
     rewrite then distilled from the original student on that many train-split tokens (kvexport.mla.distill, lr 1e-3,
     the other settings its defaults)."""
-    from kvexport.convert.config import default_mla_rank, default_rope_dim
-    from kvexport.mla.config import MLASettings, max_kv_rank
+    from kvexport.convert.config import showcase_mla
+    from kvexport.mla.config import MLASettings
     from kvexport.models.loading import load_decoder, load_tokenizer
 
     path = ROOT / model
@@ -68,10 +67,7 @@ def build(mla: bool, equalize: bool = False, mla_dir: str | None = None, distill
     if mla:
         from kvexport.mla.rewrite import rewrite_to_mla
 
-        sp = dec.spec
-        rope = default_rope_dim(sp.head_dim)
-        rank = default_mla_rank(sp.num_kv_heads, sp.head_dim, rope,
-                                max_rank=max_kv_rank(sp.hidden_size, sp.num_kv_heads, sp.head_dim, rope))
+        rank, rope = showcase_mla(dec.spec)
         teacher = dec if distill_tokens else None
         dec = rewrite_to_mla(dec, MLASettings(kv_rank=rank, rope_dim=rope, equalize_latent=equalize))
         info["mla"] = {"kv_rank": rank, "rope_dim": rope, "distilled": False, "equalize_latent": equalize}
@@ -232,20 +228,17 @@ def export_twins(args) -> None:
     """--runtime onnxruntime: fp32 and quantized exports of the student, compared on onnxruntime."""
     import tempfile
 
-    from kvexport.convert.config import default_mla_rank, default_rope_dim
+    from kvexport.convert.config import showcase_mla
     from kvexport.eval.data import heldout_windows
     from kvexport.export import export_model
     from kvexport.export.twin import twin_compare_exports
-    from kvexport.mla.config import equalizes_latent, max_kv_rank
+    from kvexport.mla.config import equalizes_latent
     from kvexport.models.loading import load_tokenizer
     from kvexport.presses import make_press
     from kvexport.profile.run import model_spec
 
     path = ROOT / args.model
-    sp = model_spec(path)
-    rope = default_rope_dim(sp.head_dim)
-    rank = default_mla_rank(sp.num_kv_heads, sp.head_dim, rope,
-                            max_rank=max_kv_rank(sp.hidden_size, sp.num_kv_heads, sp.head_dim, rope))
+    rank, rope = showcase_mla(model_spec(path))
     wins = heldout_windows(load_tokenizer(path), args.windows, args.context + args.steps + 1)
     results: dict = {"settings": {k.replace("_", "-"): v for k, v in vars(args).items() if k not in ("out", "export_dir")},
                      "runtime": "onnxruntime (CPUExecutionProvider)", "configs": {}}

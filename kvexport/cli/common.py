@@ -78,8 +78,6 @@ def read_prompt_file(path: Path) -> str:
 def cache_summary(resident: dict[str, int]) -> str:
     """The generate commands' memory line from a run's ``resident_bytes``: the cache as stored (K/V or latent, plus
     the scales of an int8 / fp8 cache) and every byte the sequence keeps resident."""
-    kib = 1024
-    cache = resident.get("kv", 0) + resident.get("scales", 0)
-    parts = f" (K/V {resident.get('kv', 0) / kib:.1f} + scales {resident['scales'] / kib:.1f})" \
-        if resident.get("scales") else ""
-    return f"cache {cache / kib:.1f} KiB{parts}, {resident.get('total', cache) / kib:.1f} KiB resident"
+    kv, scales = resident["kv"] / 1024, resident.get("scales", 0) / 1024
+    parts = f" (K/V {kv:.1f} + scales {scales:.1f})" if scales else ""
+    return f"cache {kv + scales:.1f} KiB{parts}, {resident['total'] / 1024:.1f} KiB resident"

@@ -350,11 +350,21 @@ def default_mla_rank(num_kv_heads: int, head_dim: int, rope_dim: int, target_rat
     return r
 
 
+def showcase_mla(spec) -> tuple[int, int]:
+    """(r_kv, d_rope) of convert's default MLA for a model spec (``hidden_size``, ``num_kv_heads``, ``head_dim``):
+    :func:`default_rope_dim`, and :func:`default_mla_rank` capped by what the rewrite can hold."""
+    from kvexport.mla.config import max_kv_rank
+
+    rope = default_rope_dim(spec.head_dim)
+    return default_mla_rank(spec.num_kv_heads, spec.head_dim, rope,
+                            max_rank=max_kv_rank(spec.hidden_size, spec.num_kv_heads, spec.head_dim, rope)), rope
+
+
 def default_rope_dim(head_dim: int) -> int:
     """d_rope = head_dim (even): one head's worth of RoPE components, concentrated by RoRoPE; TransMLA's choice and
     the split the measured search (kvexport.mla.split) picks on the student at ~2x (docs/mla.md)."""
     return max(2, head_dim // 2 * 2)
 
 
-__all__ = ["ConvertConfig", "parse_contexts", "fidelity_kwargs", "default_mla_rank", "default_rope_dim", "TARGETS", "BACKENDS",
+__all__ = ["ConvertConfig", "parse_contexts", "fidelity_kwargs", "default_mla_rank", "default_rope_dim", "showcase_mla", "TARGETS", "BACKENDS",
            "DEFAULT_PRESS", "DEFAULT_BUDGET", "DEFAULT_WINDOW", "DEFAULT_CONTEXTS"]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvexport.convert import layout
-from kvexport.convert.config import ConvertConfig, default_mla_rank, default_rope_dim
+from kvexport.convert.config import ConvertConfig, default_rope_dim, showcase_mla
 from kvexport.convert.pipeline import Pipeline, Stage, StageRecord, StageSkipped
 from kvexport.errors import BadUsage, MissingBackend, ParityFailure
 
@@ -85,12 +85,7 @@ def resolve_settings(cfg: ConvertConfig) -> tuple[ConvertConfig, Path, Any]:
     check_model_dir(model_path)
     spec = model_spec(model_path)
     if cfg.showcase_defaults and mla_available():
-        from kvexport.mla.config import max_kv_rank
-
-        cfg.rope_dim = default_rope_dim(spec.head_dim)
-        cfg.mla_rank = default_mla_rank(spec.num_kv_heads, spec.head_dim, cfg.rope_dim,
-                                        max_rank=max_kv_rank(spec.hidden_size, spec.num_kv_heads, spec.head_dim,
-                                                             cfg.rope_dim))
+        cfg.mla_rank, cfg.rope_dim = showcase_mla(spec)
     if cfg.uses_mla:
         if not mla_available():
             raise MissingBackend("this kvexport has no MLA rewrite (kvexport.mla); drop --mla-rank/--mla-energy")

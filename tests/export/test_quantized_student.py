@@ -11,7 +11,7 @@ apart over the two prompts, none more), every scale within 2^-7 of the reference
 difference come from a cache that differs, so their scales can be a few float16 steps apart: measured 1.4e-3),
 the slots' positions (what the press kept) and the number of compactions equal; and ``validate`` passes on the default prompts with the lossy-cache gates
 (:data:`kvexport.export.validation.LOSSY_CACHE_TOLERANCES`), which the strict fp32 gates (1e-4) did not: this
-conversion failed ``kvexport convert --kv-dtype int8`` before them (max logit error 2.7e-2, tokens equal).
+conversion failed ``kvexport convert --kv-dtype int8`` before them (max logit error 0.14, tokens equal, 28 of 36 kept sets).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kvexport.cache.quant import FP8_VALUES
-from kvexport.convert.config import DEFAULT_BUDGET, DEFAULT_CHUNK, DEFAULT_WINDOW, default_mla_rank, default_rope_dim
+from kvexport.convert.config import DEFAULT_BUDGET, DEFAULT_CHUNK, DEFAULT_WINDOW, showcase_mla
 from kvexport.export import OrtGenerator, export_model, verify_manifest
 from kvexport.export.exporter import press_from_dict
 from kvexport.export.validation import (
@@ -32,17 +32,13 @@ from kvexport.export.validation import (
     tolerances,
     validate,
 )
-from kvexport.mla.config import max_kv_rank
 from kvexport.paths import DEFAULT_MODEL
 from kvexport.presses import make_press
 from kvexport.profile.run import model_spec
 
 
 def _export(tmp_path, kv_dtype):
-    sp = model_spec(DEFAULT_MODEL)
-    rope = default_rope_dim(sp.head_dim)
-    rank = default_mla_rank(sp.num_kv_heads, sp.head_dim, rope,
-                            max_rank=max_kv_rank(sp.hidden_size, sp.num_kv_heads, sp.head_dim, rope))
+    rank, rope = showcase_mla(model_spec(DEFAULT_MODEL))
     return export_model(DEFAULT_MODEL, tmp_path / kv_dtype, press=make_press("snapkv", budget=DEFAULT_BUDGET),
                         window=DEFAULT_WINDOW, chunk=DEFAULT_CHUNK, mla_rank=rank, rope_dim=rope, kv_dtype=kv_dtype)
 
@@ -59,10 +55,11 @@ def _grid_rank(codes: np.ndarray, kv_dtype: str) -> np.ndarray:
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_student_codes_within_one_step_of_pytorch_and_validate_passes(tmp_path, kv_dtype):
     out = _export(tmp_path, kv_dtype)
-    s = verify_manifest(out)["settings"]
+    manifest = verify_manifest(out)
+    s = manifest["settings"]
     assert s["kv_dtype"] == kv_dtype
     press = press_from_dict(s["press"])
-    dec = load_reference_model(verify_manifest(out), None, root=out)
+    dec = load_reference_model(manifest, None, root=out)
     gen = OrtGenerator(out)
     steps = 64
     rng = np.random.default_rng(0)
@@ -101,4 +98,4 @@ def test_lossy_cache_gates_only_for_lossy_formats():
     assert tolerances({"dtype": "fp16", "kv_dtype": "fp16"}) == TOLERANCES["fp16"]
     for kvd in ("int8", "fp8", "fp16", "bf16"):
         assert tolerances({"dtype": "fp32", "kv_dtype": kvd}) == LOSSY_CACHE_TOLERANCES
-    assert tolerances({"dtype": "fp16", "kv_dtype": "int8"}) == TOLERANCES["fp16"]
+    assert tolerances({"dtype": "fp16", "kv_dtype": "int8"}) == LOSSY_CACHE_TOLERANCES  # at least as wide as the fp16 gates
