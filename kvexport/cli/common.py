@@ -22,12 +22,16 @@ PRESS_HELP = (
 
 
 def resolve_model(model: str | None) -> str:
-    """None -> the bundled reference student."""
+    """A command's model argument -> the directory it loads: None -> the bundled reference student; a ``.gguf``
+    file -> its HF directory (:func:`kvexport.models.gguf.model_dir`: an unsupported architecture is refused before
+    anything is written); a directory unchanged."""
     if model is None:
         if not DEFAULT_MODEL.exists():
             raise BadUsage(f"no MODEL given and the bundled model {DEFAULT_MODEL} is missing")
         return str(DEFAULT_MODEL)
-    return model
+    from kvexport.models.gguf import model_dir
+
+    return str(model_dir(model))
 
 
 def build_press(press: str | None, budget: int | None, ratio: float | None):

@@ -102,7 +102,9 @@ def convert_summary(out: Path, cj: dict) -> str:
     parity = out / layout.PARITY_JSON
     fid = json.loads(parity.read_text()).get("fidelity") if parity.is_file() else None
     if isinstance(fid, dict):
-        line += f"\nwhat compression cost: {fidelity_summary(fid)}"
+        from kvexport.export.quality import quality_markup
+
+        line += f"\nwhat compression cost: {fidelity_summary(fid)}\n{quality_markup(fid)}"
     twin = json.loads(parity.read_text()).get("twin") if parity.is_file() else None
     if isinstance(twin, dict):
         from kvexport.report.sections import twin_label, twin_summary

@@ -230,7 +230,7 @@ def mla_cmd(
     console = _console()
     _setup(threads)
     student_path = resolve_model(student)
-    given = [t.strip() for t in teachers.split(",") if t.strip()]
+    given = [resolve_model(t.strip()) for t in teachers.split(",") if t.strip()]
     if not given:
         given = [str(MODELS_DIR / n) for n in ("kvx-teacher-2x", "kvx-teacher-4x")]
     teacher_paths = [student_path] + [t for t in given if Path(t).resolve() != Path(student_path).resolve()]

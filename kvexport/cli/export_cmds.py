@@ -69,8 +69,8 @@ def validate_cmd(
     prompt: list[str] = typer.Option([], "--prompt", "-p", help="Prompt text (repeatable). Default: random token "
                                      "ids with lengths below, at and above the budget and over several chunks."),
     steps: int = typer.Option(64, help="Decode steps per prompt."),
-    atol: Optional[float] = typer.Option(None, help="Absolute logit tolerance (default fp32 1e-4; fp16 or an int8 / fp8 cache 5e-2)."),
-    rtol: Optional[float] = typer.Option(None, help="Relative logit tolerance (default fp32 1e-3; fp16 or an int8 / fp8 cache 5e-2)."),
+    atol: Optional[float] = typer.Option(None, help="Absolute logit tolerance (default fp32 1e-4; fp16 5e-2; a lossy cache, int8 / fp8 or fp16 of fp32, 0.25)."),
+    rtol: Optional[float] = typer.Option(None, help="Relative logit tolerance (default fp32 1e-3; fp16 or a lossy cache 5e-2)."),
     backend: str = typer.Option("onnxruntime", help="onnxruntime (pytorch~onnxruntime) or tensorrt (adds "
                                 "onnxruntime~tensorrt and pytorch~tensorrt; needs engines from `kvexport build-engine`)."),
     engines: Optional[Path] = typer.Option(None, help="TensorRT engine folder (default: DIR-tensorrt, or DIR/engine "
@@ -132,12 +132,13 @@ def validate_cmd(
 
 def fidelity_lines(fid: dict | None) -> list[str]:
     """parity.json's ``fidelity`` object in plain words (nothing for an old parity.json)."""
+    from kvexport.export.quality import quality_markup
     from kvexport.report.sections import fidelity_summary
 
     if not isinstance(fid, dict):
         return []
     return [f"what compression cost ({fid.get('eval_data', '?')}, {fid.get('scored_tokens', '?')} tokens): "
-            + fidelity_summary(fid)]
+            + fidelity_summary(fid), quality_markup(fid)]
 
 
 def pairs_table(rep: dict, title: str):

@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from kvexport.cli import app
+from kvexport.cli.common import resolve_model
 
 RANK_HELP = "MLA latent rank r_kv (every layer)."
 ENERGY_HELP = "Instead of --mla-rank: per-layer rank = smallest with cumulative σ² >= δ (0 < δ <= 1), rounded up to 8."
@@ -74,7 +75,7 @@ def _spec_of(model: str):
 
 @app.command("rewrite")
 def rewrite_cmd(
-    model: str = typer.Argument(..., help="HF model directory (Llama, Qwen2, Qwen3, Mistral)."),
+    model: str = typer.Argument(..., help="HF model directory or .gguf file (Llama, Qwen2, Qwen3, Mistral)."),
     out: Path = typer.Option(..., "--out", "-o", help="Directory to write the MLA model to (must not exist or be empty)."),
     mla_rank: Optional[int] = typer.Option(None, "--mla-rank", help=RANK_HELP),
     mla_energy: Optional[float] = typer.Option(None, "--mla-energy", help=ENERGY_HELP),
@@ -102,6 +103,7 @@ def rewrite_cmd(
 
     settings = _settings(mla_rank, mla_energy, rope_dim, rope_init, q_rank, naive, kv_fit, rope_horizon,
                          equalize_latent)
+    model = resolve_model(model)
     spec, mla_cfg, _ = _spec_of(model)
     if mla_cfg is not None:
         raise BadUsage(f"{model} is already an MLA model")
@@ -122,7 +124,7 @@ def rewrite_cmd(
 
 @app.command("inspect")
 def inspect_cmd(
-    model: str = typer.Argument(..., help="HF model directory or kvexport MLA directory."),
+    model: str = typer.Argument(..., help="HF model directory, .gguf file or kvexport MLA directory."),
     mla_rank: Optional[int] = typer.Option(None, "--mla-rank", help=RANK_HELP + " Accounting from the config alone."),
     mla_energy: Optional[float] = typer.Option(None, "--mla-energy", help=ENERGY_HELP + " Loads the weights."),
     rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help=ROPE_HELP + " Default 32 with an MLA rank."),
@@ -137,6 +139,7 @@ def inspect_cmd(
     from kvexport.errors import BadUsage
     from kvexport.mla.accounting import cache_report
 
+    model = resolve_model(model)
     spec, mla_cfg, dtype = _spec_of(model)
     mla_info = None
     ranks = None
@@ -190,7 +193,7 @@ def inspect_cmd(
 @app.command("distill")
 def distill_cmd(
     student: str = typer.Argument(..., help="MLA model directory, or an HF directory with --mla-rank/--rope-dim."),
-    teacher: str = typer.Option(..., "--teacher", help="Teacher model directory (same tokenizer; may be larger)."),
+    teacher: str = typer.Option(..., "--teacher", help="Teacher model directory or .gguf file (same tokenizer; may be larger)."),
     data: Path = typer.Option(..., "--data", help="Training data: UTF-8 text, .jsonl (text or input_ids) or .npy ids."),
     tokens: int = typer.Option(..., "--tokens", help="Training tokens to consume (steps = tokens / (batch x seq-len))."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory (default: <student>-distilled)."),
@@ -222,8 +225,9 @@ def distill_cmd(
 
     cfg = DistillConfig(tokens=tokens, seq_len=seq_len, batch_size=batch_size, lr=lr, ce_weight=ce_weight,
                         save_every=save_every, seed=seed, warmup=warmup, min_lr=min_lr, copy_fraction=copy_fraction)
-    out = out or Path(str(Path(student)).rstrip("/") + "-distilled")
+    out = out or Path(str(Path(student)).rstrip("/").removesuffix(".gguf") + "-distilled")
     check_out_dir(out, resume)
+    student, teacher = resolve_model(student), resolve_model(teacher)
     if not data.is_file():
         raise BadUsage(f"data file {data} does not exist")
     if data.stat().st_size == 0:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvexport.atomic import rebase_paths
 from kvexport.convert import layout
 from kvexport.convert.config import ConvertConfig, default_rope_dim, showcase_mla
 from kvexport.convert.pipeline import Pipeline, Stage, StageRecord, StageSkipped
@@ -76,12 +77,14 @@ def tensorrt_problem() -> str | None:
 def resolve_settings(cfg: ConvertConfig) -> tuple[ConvertConfig, Path, Any]:
     """Check and complete the settings against the model; -> (cfg, model dir, ModelSpec). No work done."""
     from kvexport.cli.common import resolve_model
+    from kvexport.models.gguf import is_gguf
     from kvexport.models.loading import check_model_dir
     from kvexport.profile.run import model_spec
 
     cfg.resolve()
     model_path = Path(resolve_model(cfg.model)).resolve()
-    cfg.model = str(model_path)
+    # convert.json names what the user gave: a .gguf file is resolved to its cached directory again on a rerun
+    cfg.model = str(Path(cfg.model).resolve()) if is_gguf(cfg.model or "") else str(model_path)
     check_model_dir(model_path)
     spec = model_spec(model_path)
     if cfg.showcase_defaults and mla_available():
@@ -111,6 +114,7 @@ def resolve_settings(cfg: ConvertConfig) -> tuple[ConvertConfig, Path, Any]:
     if cfg.chunk > int(spec.max_position_embeddings):
         raise BadUsage(f"--chunk {cfg.chunk} exceeds the model's {spec.max_position_embeddings} positions")
     if cfg.distills:
+        cfg.distill_teacher = resolve_model(cfg.distill_teacher)
         if not Path(cfg.distill_teacher).is_dir():
             raise BadUsage(f"--distill-teacher {cfg.distill_teacher} is not a model directory")
         check_model_dir(cfg.distill_teacher)
@@ -266,8 +270,7 @@ def stage_validate(st: ConvertState) -> str:
     if st.progress is not None:
         kw["progress"] = st.progress
     parity = validate(st.work / layout.ONNX_DIR, steps=cfg.validate_steps, write=False, raise_on_failure=False, **kw)
-    if isinstance(parity, dict) and "export" in parity and st.out is not None:
-        parity["export"] = str(st.out.resolve() / layout.ONNX_DIR)  # not the temporary directory
+    parity = rebase_paths(parity, st.work, st.out)  # the final directory's paths, not the temporary one's
     st.parity = parity
     layout.write_parity(st.work, parity)
     norm = normalize_parity(parity)
@@ -303,7 +306,8 @@ def stage_profile(st: ConvertState) -> str:
         except ImportError:  # engines built, but no step-wise TensorRT runtime to time them with
             st.notes["profile_backend"] = "onnxruntime (kvexport.tensorrt has no step runtime yet)"
     prof = profile_dir(st.work, backend=backend, contexts=st.cfg.contexts, decode_steps=st.cfg.decode_steps,
-                       baseline=st.cfg.baseline, seed=st.cfg.seed, repeats=st.cfg.repeats, progress=st.progress)
+                       baseline=st.cfg.baseline, seed=st.cfg.seed, repeats=st.cfg.repeats, progress=st.progress,
+                       shown_as=st.out)
     base = {r["context"]: r for r in (prof["variants"].get("baseline") or {}).get("contexts") or []}
     parts = []
     for r in prof["variants"]["converted"]["contexts"]:
@@ -315,7 +319,7 @@ def stage_profile(st: ConvertState) -> str:
 def stage_report(st: ConvertState) -> str:
     from kvexport.report import write_report
 
-    rep = write_report(st.work)
+    rep = write_report(st.work, shown_as=st.out)
     return f"report.html, report.md, {len(rep.get('plots') or {})} plots"
 
 
@@ -324,8 +328,14 @@ def convert_json(st: ConvertState, records: list[StageRecord]) -> dict[str, Any]
     import kvexport
 
     spec = st.spec.to_dict() if st.spec is not None else {}
-    model = {"name": st.model_path.name, "path": str(st.model_path), "family": st.spec.family if st.spec else None,
+    from kvexport.models.gguf import gguf_source
+
+    source = gguf_source(st.model_path)
+    name = Path(source["file"]).stem if source else st.model_path.name
+    model = {"name": name, "path": str(st.model_path), "family": st.spec.family if st.spec else None,
              **{k: v for k, v in spec.items() if k not in ("rope",)}}
+    if source:
+        model["gguf"] = {**source, "path": st.cfg.model}  # dequantized to fp32: "the original" of every comparison
     if "parameters" in st.notes:
         model["parameters"] = st.notes["parameters"]
     out = {

@@ -45,6 +45,7 @@ from kvexport.errors import BadUsage
 from kvexport.export import graphs, ops
 from kvexport.export.manifest import ONNX_EXPORT as KIND
 from kvexport.export.manifest import ORT_ONLY_SUFFIX, atomic_output, check_out_dir, write_manifest
+from kvexport.models.loading import TOKENIZER_FILES
 
 # torch's exporter warns once per graph that torchvision's ops are not registered; they are never used here
 logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
@@ -58,8 +59,6 @@ NOT_EXPORTABLE = {
     "random": "its scores are fresh random draws of the candidates' shape, which a static graph cannot reproduce",
     "optimal": "it is an oracle that needs future queries",
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "tokenizer.model", "vocab.json", "merges.txt")
 
 
 # ----------------------------------------------------------------------------- model resolution
@@ -488,7 +487,8 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
                  inplace_decode: bool = False) -> Path:
     """Export ``model`` to ``out_dir`` (written atomically; see the module docstring for the layout).
 
-    model: HF model directory, in-memory HF ``*ForCausalLM``, or a kvexport Decoder (MLA-rewritten or not).
+    model: HF model directory, ``.gguf`` file (:mod:`kvexport.models.gguf`), in-memory HF ``*ForCausalLM``, or a
+    kvexport Decoder (MLA-rewritten or not).
     press/budget/window: eviction (static capacity budget + window per layer); press None = full cache with
     capacity ``max_positions`` (or, with ``dynamic_cache``, the growing-past baseline).
     mla_rank/rope_dim: rewrite to MLA first (X-EcoMLA SVD init), decode through LatentAttention.
@@ -523,6 +523,9 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
         if int(v) < 1:
             raise BadUsage(f"--{name} {v} must be >= 1")
     out = check_out_dir(out_dir, force)
+    from kvexport.models.gguf import model_dir
+
+    model, tokenizer_dir, original = model_dir(model), model_dir(tokenizer_dir), model_dir(original)
     p = resolve_press(press, budget, ratio)
     if dynamic_cache and p is not None:
         raise BadUsage("--dynamic-cache is the full-cache baseline; it takes --press none")

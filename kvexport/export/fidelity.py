@@ -247,6 +247,9 @@ class FidelityRun:
                         "ppl_converted": ppl_c, "ppl_increase": ppl_c / ppl_o - 1.0})
             out["recall"] = self._recall_report()
         out["gates"] = _gates(out, min_agreement, max_ppl_increase)
+        from kvexport.export.quality import quality_verdict
+
+        out["quality"] = quality_verdict(out)
         return out
 
     def _recall_report(self) -> dict[str, Any]:

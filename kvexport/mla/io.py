@@ -29,13 +29,12 @@ import torch
 from kvexport.errors import BadArtifact, BadUsage
 from kvexport.mla.attention import MLAAttention
 from kvexport.mla.config import MLALayerPlan, MLASettings
+from kvexport.models.loading import TOKENIZER_FILES
 
 MLA_CONFIG = "kvexport_mla.json"
 FORMAT = "kvexport-mla"
 #: 2: the exact-rewrite layout (per-head q_rope, D-wide no-RoPE keys, k_proj/k_norm for q/k-norm models)
 VERSION = 2
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
 
 
 MANIFEST_KIND = "mla-model"

@@ -13,13 +13,21 @@ from kvexport.errors import BadModel, BadUsage
 from kvexport.models.spec import SUPPORTED_FAMILIES, ModelSpec, supported_families_text
 
 REQUIRED_CONFIG_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+#: the files that make up a model's tokenizer, special tokens, chat template and generation defaults: copied as a
+#: whole wherever kvexport writes a model (an MLA directory, an export)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja",
+                   "chat_template.json")
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
 def check_model_dir(path: str | Path) -> dict[str, Any]:
-    """Fail early, with one line, on what would make ``from_pretrained`` fail later. Returns config.json."""
-    p = Path(path)
+    """Fail early, with one line, on what would make ``from_pretrained`` fail later. Returns config.json. A ``.gguf``
+    file is checked as the directory kvexport makes of it (:func:`kvexport.models.gguf.model_dir`)."""
+    from kvexport.models.gguf import model_dir
+
+    p = Path(model_dir(path))
     if not p.exists():
         raise BadModel(f"model directory {str(p)!r} does not exist")
     if not p.is_dir():
@@ -78,12 +86,15 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def load_hf_model(model: str | Path | torch.nn.Module, dtype: str | torch.dtype = "fp32"):
-    """-> a transformers ``*ForCausalLM`` in eval mode. ``model`` is a directory or a loaded model."""
+    """-> a transformers ``*ForCausalLM`` in eval mode. ``model`` is a directory, a ``.gguf`` file or a loaded model."""
     if isinstance(model, torch.nn.Module):
         ModelSpec.from_hf_config(model.config)
         return model.eval()
     from transformers import AutoModelForCausalLM
 
+    from kvexport.models.gguf import model_dir
+
+    model = model_dir(model)
     td = resolve_dtype(dtype)
     check_model_dir(model)
     try:
@@ -94,10 +105,12 @@ def load_hf_model(model: str | Path | torch.nn.Module, dtype: str | torch.dtype 
 
 
 def load_tokenizer(path: str | Path | None):
-    """The tokenizer saved beside a model, or None when the directory has none."""
+    """The tokenizer saved beside a model (or kept in a ``.gguf`` file), or None when the directory has none."""
     if path is None:
         return None
-    p = Path(path)
+    from kvexport.models.gguf import model_dir
+
+    p = Path(model_dir(path))
     if not (p / "tokenizer.json").exists() and not (p / "tokenizer_config.json").exists():
         return None
     from transformers import AutoTokenizer
@@ -115,7 +128,9 @@ def load_decoder(model: str | Path | torch.nn.Module, dtype: str | torch.dtype =
     resolve_dtype(dtype)
     if not isinstance(model, torch.nn.Module):
         from kvexport.mla.io import is_mla_dir, load_mla
+        from kvexport.models.gguf import model_dir
 
+        model = model_dir(model)
         if is_mla_dir(model):
             return load_mla(model, dtype), None
     hf = load_hf_model(model, dtype)

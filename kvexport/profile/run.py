@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvexport.atomic import atomic_write_bytes
+from kvexport.atomic import atomic_write_bytes, rebase_paths
 from kvexport.convert import layout
 from kvexport.errors import BadArtifact, BadUsage
 from kvexport.profile.kv_bytes import CacheShape, cache_table, full_cache_of
@@ -168,6 +168,7 @@ def profile_target(d: str | Path, backend: str = "onnxruntime") -> Path:
 
 def profile_dir(d: str | Path, backend: str = "onnxruntime", contexts: list[int] | None = None,
                 decode_steps: int = 32, baseline: bool = True, seed: int = 0, write: bool | str | Path = True,
+                shown_as: str | Path | None = None,
                 repeats: int = DEFAULT_REPEATS, progress=None) -> dict[str, Any]:
     """Profile DIR (see the module docstring); -> the profile dictionary. ``write``: True = the backend's default
     file (:func:`profile_target`), a path = there, False = nowhere. ``repeats``: timed runs per context.
@@ -236,6 +237,8 @@ def profile_dir(d: str | Path, backend: str = "onnxruntime", contexts: list[int]
     }
     if write:
         target = profile_target(d, backend) if write is True else Path(write)
+        # a conversion profiled before it is renamed into place names its final directory, not the temporary one
+        result = rebase_paths(result, d, shown_as)
         atomic_write_bytes(target, json.dumps(result, indent=2).encode("utf-8"))
         if target.parent.resolve() == d.resolve() and layout.has_outputs_manifest(d):
             layout.record_outputs(d)

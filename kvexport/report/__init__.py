@@ -8,22 +8,24 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvexport.atomic import atomic_write_bytes
+from kvexport.atomic import atomic_write_bytes, rebase_paths
 from kvexport.report.collect import collect, normalize_parity
 from kvexport.report.plots import make_plots
 from kvexport.report.render import render_html, render_md, verdict_text
+from kvexport.report.sections import fidelity_of, quality, quality_line
 
 REPORT_FILES = ("report.html", "report.md", "report.json")
 
 
-def write_report(out_dir: str | Path) -> dict[str, Any]:
-    """Collect ``out_dir`` and write report.html, report.md, report.json and plots/*.png into it.
+def write_report(out_dir: str | Path, shown_as: str | Path | None = None) -> dict[str, Any]:
+    """Collect ``out_dir`` and write report.html, report.md, report.json and plots/*.png into it. ``shown_as``: the
+    name the directory will have (a conversion is reported before its temporary directory is renamed into place).
 
     Returns the report dictionary (with ``files``: what was written). Each file is written to a
     temporary name and renamed, so a failed run never leaves half a report.
     """
     d = Path(out_dir)
-    rep = collect(d)
+    rep = rebase_paths(collect(d), d, shown_as)
     plots = make_plots(rep.get("profile"))
     written = []
     plot_dir = d / "plots"
@@ -36,6 +38,9 @@ def write_report(out_dir: str | Path) -> dict[str, Any]:
             written.append(f"plots/{stem}.png")
     rep["plots"] = {k: v[1] for k, v in plot_files.items()}
     rep["verdict"] = verdict_text(rep.get("parity"))
+    fid = fidelity_of(rep)
+    if fid:  # beside parity's verdict: has the conversion kept the model (kvexport.export.quality)
+        rep["quality"] = {**quality(fid), "line": quality_line(fid)}
     _atomic_write(d / "report.html", render_html(rep, plots).encode("utf-8"))
     _atomic_write(d / "report.md", render_md(rep, plot_files).encode("utf-8"))
     written += ["report.html", "report.md", "report.json"]

@@ -33,7 +33,7 @@ class Code:
 class Section:
     title: str
     anchor: str
-    #: str paragraphs, Table, Warn, Code, ("verdict", text, passed), ("img", stem, caption)
+    #: str paragraphs, Table, Warn, Code, ("verdict", text, passed [True/False/None or a css class], html id [default parity-verdict]), ("img", stem, caption)
     blocks: list[Any] = field(default_factory=list)
 
 

@@ -31,6 +31,7 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}
 .pass{background:#dff5e1;color:#17692a;border:1px solid #8fd19e}
 .fail{background:#fde2e1;color:#9b1c1c;border:1px solid #f1a5a3}
 .none{background:#eef0f3;color:#555;border:1px solid #ccd}
+.degraded{background:#fff4d6;color:#7a5200;border:1px solid #f0c36d}
 table.kv th{background:#f7f9fb;font-weight:600;width:1%;white-space:nowrap}
 .figs{display:grid;grid-template-columns:repeat(auto-fill,minmax(460px,1fr));gap:12px}
 figure.wide{grid-column:1/-1}
@@ -100,8 +101,10 @@ def render_html(rep: dict[str, Any], plots: dict[str, tuple[str, bytes]]) -> str
             elif isinstance(b, Code):
                 out.append(f"<pre><code>{html.escape(b.text)}</code></pre>")
             elif b[0] == "verdict":
-                cls = "none" if b[2] is None else ("pass" if b[2] else "fail")
-                out.append(f'<div id="parity-verdict" class="verdict {cls}">{html.escape(b[1])}</div>')
+                cls = b[2] if isinstance(b[2], str) else "none" if b[2] is None else ("pass" if b[2] else "fail")
+                vid = b[3] if len(b) > 3 else "parity-verdict"
+                ida = f' id="{vid}"' if vid else ""
+                out.append(f'<div{ida} class="verdict {cls}">{html.escape(b[1])}</div>')
             elif b[0] == "img":
                 data = base64.b64encode(plots[b[1]][1]).decode("ascii")
                 cap = html.escape(b[2])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
+from kvexport.export.quality import THRESHOLDS, quality_line
 from kvexport.report.blocks import (
     Code,
     Section,
@@ -46,7 +47,8 @@ def fidelity_summary(fid: dict[str, Any]) -> str:
         parts.append(f"KL {fid['mean_kl']:.3g} nats/token")
     for name, r in (fid.get("recall") or {}).items():
         if isinstance(r, dict) and r.get("original") is not None:
-            parts.append(f"{name.replace('_', ' ')} {r['original']:.2f} → {r.get('converted', float('nan')):.2f}")
+            un = " (uninformative: the original fails it)" if r["original"] < THRESHOLDS["recall_solved"] else ""
+            parts.append(f"{name.replace('_', ' ')} {r['original']:.2f} → {r.get('converted', float('nan')):.2f}{un}")
     gates = fid.get("gates") or {}
     if gates.get("passed") is not None:
         parts.append("gates " + ("passed" if gates["passed"] else "FAILED"))
@@ -135,7 +137,10 @@ def all_warnings(rep: dict[str, Any]) -> list[str]:
     if parity is not None and not parity["passed"]:
         out.append("Parity FAILED: the exported graphs do not reproduce the PyTorch model within tolerance "
                    "(see Parity).")
-    fid = _fidelity(rep)
+    fid = fidelity_of(rep)
+    if fid and quality(fid)["level"] in ("LOST", "DEGRADED"):
+        out.append(quality_line(fid) + ". Parity only says the export computes what the compressed model computes; "
+                   "see What compression cost.")
     if fid and (fid.get("gates") or {}).get("passed") is False:
         out.append("A fidelity gate failed: the compressed model is further from the original than allowed "
                    "(see What compression cost).")
@@ -145,7 +150,22 @@ def all_warnings(rep: dict[str, Any]) -> list[str]:
     return out
 
 
-def _fidelity(rep: dict[str, Any]) -> dict[str, Any] | None:
+def quality(fid: dict[str, Any]) -> dict[str, Any]:
+    """The quality verdict parity.json records (recomputed for an older parity.json without one)."""
+    from kvexport.export.quality import quality_verdict
+
+    q = fid.get("quality")
+    return q if isinstance(q, dict) and "level" in q else quality_verdict(fid)
+
+
+def quality_block(fid: dict[str, Any], html_id: str | None) -> tuple:
+    """The quality verdict as a report block: green KEPT, amber DEGRADED, red LOST, grey UNMEASURED."""
+    level = quality(fid)["level"]
+    cls = {"KEPT": True, "LOST": False, "DEGRADED": "degraded"}.get(level)
+    return ("verdict", quality_line(fid), cls, html_id)
+
+
+def fidelity_of(rep: dict[str, Any]) -> dict[str, Any] | None:
     parity = rep.get("parity") or {}
     fid = (parity.get("raw") or {}).get("fidelity")
     return fid if isinstance(fid, dict) else None
@@ -154,7 +174,7 @@ def _fidelity(rep: dict[str, Any]) -> dict[str, Any] | None:
 # ----------------------------------------------------------------------------- sections
 def build_sections(rep: dict[str, Any], plot_stems: dict[str, str]) -> list[Section]:
     secs = [_summary(rep), _parity(rep)]
-    fid = _fidelity(rep)
+    fid = fidelity_of(rep)
     if fid:
         secs.append(_fidelity_section(fid))
     if isinstance(rep.get("twin"), dict):
@@ -189,10 +209,13 @@ def _summary(rep: dict[str, Any]) -> Section:
     s = Section("Summary", "summary")
     for w in all_warnings(rep):
         s.blocks.append(Warn(w))
+    if fidelity_of(rep):
+        s.blocks.append(quality_block(fidelity_of(rep), "quality-verdict"))
     rows = [["model", model.get("name") or settings.get("model") or "-"], ["family", model.get("family", "-")],
             ["parity", verdict_text(rep.get("parity")).split(": ", 1)[1]]]
-    fid = _fidelity(rep)
+    fid = fidelity_of(rep)
     if fid:
+        rows.append(["quality (vs the original model)", quality_line(fid)])
         rows.append(["what compression cost", fidelity_summary(fid)])
     if isinstance(rep.get("twin"), dict):
         rows.append([twin_label(rep["twin"]), twin_summary(rep["twin"])])
@@ -263,11 +286,20 @@ def _fidelity_section(fid: dict[str, Any]) -> Section:
              "0 = the same next-token distribution"],
             ["perplexity", f"{_g3(fid.get('ppl_original'))} → {_g3(fid.get('ppl_converted'))} "
                            f"({fmt_pct(fid.get('ppl_increase'), signed=True)})", "original → converted, held-out text"]]
+    un = quality(fid)["uninformative"]
     for name, r in (fid.get("recall") or {}).items():
         if isinstance(r, dict):
             rows.append([name.replace("_", " "), f"{_f2(r.get('original'))} → {_f2(r.get('converted'))}",
-                         f"accuracy, original → converted, {r.get('examples', '?')} examples"])
+                         f"accuracy, original → converted, {r.get('examples', '?')} examples"
+                         + ("; uninformative: the original fails it too" if name in un else "")])
+    s.blocks.insert(0, quality_block(fid, None))
     s.blocks.append(Table(["measure", "value", "meaning"], rows))
+    t = THRESHOLDS
+    s.blocks.append(f"Quality verdict: LOST when next-token agreement < {t['agreement']['lost']:.0%}, perplexity "
+                    f"> +{t['ppl_increase']['lost']:.0%}, or a recall task the original solves (>= "
+                    f"{t['recall_solved']:.2f}) keeps < {t['recall_kept']['lost']:.0%} of its accuracy; DEGRADED "
+                    f"below {t['agreement']['degraded']:.0%} / above +{t['ppl_increase']['degraded']:.0%} / under "
+                    f"{t['recall_kept']['degraded']:.0%}; KEPT otherwise.")
     g = fid.get("gates") or {}
     if g.get("min_agreement") is not None or g.get("max_ppl_increase") is not None:
         s.blocks.append("Gates: " + ", ".join(x for x in (

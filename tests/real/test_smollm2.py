@@ -1,0 +1,179 @@
+# SPDX-License-Identifier: Apache-2.0
+"""SmolLM2-135M-Instruct (a real pretrained Llama: 30 layers, 9 query / 3 KV heads, tied embeddings, a chat
+template) through kvexport, each check against transformers reading the same GGUF file itself:
+
+- kvexport's decoder on the directory it made from the file gives transformers' logits within 1e-4 over 2048 tokens
+  of English text, whole and in chunks through a cache that never evicts;
+- the tokenizer keeps its special tokens and renders the chat template as transformers does;
+- greedy passkey retrieval on a full cache, on ~1k-token prompts made here, answers what transformers answers (and
+  the original solves the probes, so they say something);
+- ``kvexport convert FILE.gguf`` exports, validates (parity against the PyTorch library path: PASSED) and reports a
+  quality verdict that follows from the measured numbers by the stated thresholds; report, report.json and the
+  profile name the final directory; the export keeps the chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+CHAT = [{"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of Italy?"}]
+
+
+def english_ids(tok, n: int) -> torch.Tensor:
+    """``n`` token ids of English prose (this repository's README and docs)."""
+    text = "\n\n".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
+    ids = tok(text, add_special_tokens=False)["input_ids"][:n]
+    assert len(ids) == n
+    return torch.tensor([ids])
+
+
+@pytest.fixture(scope="module")
+def decoder(smollm2):
+    from kvexport.models.loading import load_decoder
+
+    dec, _ = load_decoder(smollm2.hf_dir)
+    return dec.eval()
+
+
+def test_decoder_matches_transformers_over_2k_tokens(decoder, transformers_original):
+    hf, tok = transformers_original
+    ids = english_ids(tok, 2048)
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        ref = hf(ids).logits
+        whole = decoder(ids, pos)
+        err_whole = (whole - ref).abs().max().item()
+        del whole
+        cache = decoder.new_cache(1, None, 2048, 0)
+        chunked = torch.cat([decoder(ids[:, s:s + 512], pos[:, s:s + 512], cache) for s in range(0, 2048, 512)], 1)
+    err_chunked = (chunked - ref).abs().max().item()
+    assert err_whole < 1e-4 and err_chunked < 1e-4, (err_whole, err_chunked)
+    assert ref.abs().max().item() > 10  # real logits, not a degenerate model
+
+
+def test_tokenizer_and_chat_template(smollm2, transformers_original):
+    from kvexport.models.loading import load_tokenizer
+
+    _, ref = transformers_original
+    tok = load_tokenizer(smollm2.hf_dir)
+    for attr in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        assert getattr(tok, attr) == getattr(ref, attr), attr
+    assert tok.chat_template == ref.chat_template and "<|im_start|>" in tok.chat_template
+    for gen in (True, False):
+        ours = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=gen)
+        theirs = ref.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=gen)
+        assert ours == theirs
+        assert tok(ours)["input_ids"] == ref(theirs)["input_ids"]
+    assert ours.startswith("<|im_start|>system\nYou are a terse assistant.<|im_end|>")
+
+
+def passkey_prompts(tok, n: int = 3, tokens: int = 1000, seed: int = 7):
+    """Prompts of about ``tokens`` tokens hiding a 5-digit key at depth 0.1 / 0.5 / 0.9 of a haystack."""
+    rng = random.Random(seed)
+    filler = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
+    per = len(tok(filler, add_special_tokens=False)["input_ids"])
+    reps = tokens // per
+    out = []
+    for depth in [0.1, 0.5, 0.9][:n]:
+        key = str(rng.randint(10000, 99999))
+        cut = int(reps * depth)
+        text = ("There is a pass key hidden in the text below. Find it and remember it.\n" + filler * cut
+                + f"The pass key is {key}. Remember it. {key} is the pass key. " + filler * (reps - cut)
+                + "\nWhat is the pass key? The pass key is")
+        out.append((key, tok(text, return_tensors="pt")["input_ids"]))
+    return out
+
+
+def test_full_cache_passkey_as_good_as_transformers(decoder, transformers_original):
+    from kvexport.generation import generate
+
+    hf, tok = transformers_original
+    ours_hits = theirs_hits = 0
+    for key, ids in passkey_prompts(tok):
+        assert 900 < ids.shape[1] < 1200
+        res = generate(decoder, ids, max_new_tokens=8)  # full cache: the library path as a user calls it
+        with torch.no_grad():
+            ref = hf.generate(ids, max_new_tokens=8, do_sample=False)[:, ids.shape[1]:]
+        ours, theirs = tok.decode(res.tokens[0]), tok.decode(ref[0])
+        assert res.tokens[0].tolist() == ref[0].tolist(), (ours, theirs)
+        ours_hits += key in ours
+        theirs_hits += key in theirs
+    assert theirs_hits >= 2  # the probes are informative: the original retrieves the key
+    assert ours_hits >= theirs_hits
+
+
+SETTINGS = ["--press", "snapkv", "--budget", "128", "--window", "16", "--chunk", "64", "--no-profile",
+            "--no-baseline", "--validate-steps", "8"]
+
+
+@pytest.fixture(scope="module")
+def converted(smollm2, tmp_path_factory):
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("smollm2") / "smol-kvx"
+    r = subprocess.run([sys.executable, "-m", "kvexport", "convert", str(smollm2.gguf), "--out", str(out),
+                        *SETTINGS], capture_output=True, text=True, timeout=1500, cwd=REPO)
+    return out, r
+
+
+def test_convert_from_the_gguf_file(converted, smollm2):
+    out, r = converted
+    assert r.returncode == 0, r.stderr[-3000:]
+    parity = json.loads((out / "parity.json").read_text())
+    assert parity["pairs"] and all(p["passed"] for p in parity["pairs"].values())
+    cj = json.loads((out / "convert.json").read_text())
+    assert cj["settings"]["model"] == str(smollm2.gguf.resolve())
+    assert cj["model"]["name"] == "SmolLM2-135M-Instruct.Q4_1" and cj["model"]["family"].lower() == "llama"
+    assert cj["model"]["gguf"]["sha256"] == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    assert cj["model"]["num_layers"] == 30 and cj["model"]["num_kv_heads"] == 3
+
+
+def test_quality_verdict_on_the_real_model(converted):
+    from kvexport.export.quality import THRESHOLDS, quality_verdict
+
+    out, r = converted
+    fid = json.loads((out / "parity.json").read_text())["fidelity"]
+    q = fid["quality"]
+    assert q == json.loads(json.dumps(quality_verdict(fid)))
+    lost = (fid["next_token_agreement"] < THRESHOLDS["agreement"]["lost"]
+            or fid["ppl_increase"] > THRESHOLDS["ppl_increase"]["lost"]
+            or any(isinstance(v, dict) and v["original"] >= THRESHOLDS["recall_solved"]
+                   and v["converted"] < THRESHOLDS["recall_kept"]["lost"] * v["original"]
+                   for v in fid["recall"].values()))
+    assert (q["level"] == "LOST") == lost
+    assert f"quality {q['level']}" in r.stdout + r.stderr
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["quality"]["level"] == q["level"]
+    assert f"quality {q['level']}" in (out / "report.html").read_text()
+
+
+def test_report_names_the_final_directory(converted):
+    out, _ = converted
+    final = str(out.resolve())
+    for name in ("report.json", "report.html", "report.md", "parity.json", "convert.json"):
+        text = (out / name).read_text()
+        assert ".tmp-" not in text, name
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["dir"] == final
+    assert f"kvexport validate {final}" in (out / "report.md").read_text()
+
+
+def test_export_keeps_the_chat_template(converted, transformers_original):
+    from kvexport.models.loading import load_tokenizer
+
+    out, _ = converted
+    _, ref = transformers_original
+    assert (out / "onnx" / "tokenizer" / "chat_template.jinja").is_file()
+    tok = load_tokenizer(out / "onnx" / "tokenizer")
+    assert (tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+            == ref.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True))
