@@ -49,7 +49,8 @@ def build(mla: bool, equalize: bool = False, mla_dir: str | None = None, distill
     the other settings its defaults)."""
     from kvexport.convert.config import showcase_mla
     from kvexport.mla.config import MLASettings
-    from kvexport.models.loading import load_decoder, load_tokenizer
+    from kvexport.mla.io import load_decoder
+    from kvexport.models.loading import load_tokenizer
 
     path = ROOT / model
     tok = load_tokenizer(path)

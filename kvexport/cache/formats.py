@@ -82,9 +82,20 @@ def kv_format(name: str | KVFormat | None, default: str = "fp32") -> KVFormat:
     return FORMATS[key]
 
 
+def storage_numpy(fmt: KVFormat):
+    """The NumPy element type of a format's stored K/V (ml_dtypes' bfloat16 for bf16)."""
+    if fmt.numpy == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    import numpy as np
+
+    return np.dtype(fmt.numpy).type
+
+
 def layer_fields(value_dim: int, fmt: KVFormat) -> tuple[str, ...]:
     """The cache tensors of one layer, in graph order: ``k``, ``v``, ``pos``, then the scales."""
     return ("k", "v", "pos", *fmt.scale_fields(value_dim))
 
 
-__all__ = ["KV_DTYPES", "SCALE_BYTES", "KVFormat", "FORMATS", "kv_format", "layer_fields"]
+__all__ = ["KV_DTYPES", "SCALE_BYTES", "KVFormat", "FORMATS", "kv_format", "layer_fields", "storage_numpy"]

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from kvexport.cli import app
+from kvexport.cli.app import app
 
 
 @app.command("convert")
@@ -92,7 +92,7 @@ def convert_summary(out: Path, cj: dict) -> str:
     """The last line of ``kvexport convert``: where, how long, what was written, what compression cost."""
     import json
 
-    from kvexport.convert import layout
+    from kvexport import layout
     from kvexport.report.sections import fidelity_summary, profile_warnings
 
     total = sum(s["seconds"] for s in cj["stages"])
@@ -136,9 +136,9 @@ def profile_cmd(
     from rich.console import Console
     from rich.table import Table
 
-    from kvexport.cli.progress import StepProgress, stdout_console
     from kvexport.convert.config import parse_contexts
-    from kvexport.convert.layout import read_convert_json
+    from kvexport.convert.progress import StepProgress, stdout_console
+    from kvexport.layout import read_convert_json
     from kvexport.profile.run import profile_dir, profile_target
 
     console = Console(stderr=True)

@@ -8,8 +8,9 @@ from typing import Optional
 
 import typer
 
-from kvexport.cli import app
-from kvexport.cli.common import PRESS_HELP, resolve_model
+from kvexport.cli.app import app
+from kvexport.cli.common import PRESS_HELP
+from kvexport.models.gguf import resolve_model
 
 
 @app.command("export")
@@ -45,9 +46,9 @@ def export_cmd(
     force: bool = typer.Option(False, "--force", help="Replace a non-empty --out."),
 ) -> None:
     """Export to ONNX: prefill-chunk, decode and compaction graphs with fixed-shape caches."""
-    from kvexport.cli.progress import StepProgress, stdout_console
+    from kvexport.convert.progress import StepProgress, stdout_console
     from kvexport.export import export_model
-    from kvexport.export.manifest import read_manifest
+    from kvexport.manifest import read_manifest
 
     console = _stderr()
     with StepProgress(console, f"exporting {out}") as p:
@@ -88,9 +89,9 @@ def validate_cmd(
 ) -> None:
     """Compare the ONNX graphs (onnxruntime, optionally TensorRT) with the PyTorch model; writes parity.json,
     exit 6 on failure."""
-    from kvexport.cli.progress import StepProgress, stdout_console
-    from kvexport.convert import layout
+    from kvexport import layout
     from kvexport.convert.config import fidelity_kwargs
+    from kvexport.convert.progress import StepProgress, stdout_console
     from kvexport.errors import ParityFailure
     from kvexport.export.validation import validate
     from kvexport.report.sections import fidelity_gate_failure
@@ -163,7 +164,7 @@ def _stderr():
 def generation_dir(d: Path) -> Path:
     """The export to generate from: ``d`` itself, ``d/onnx`` for a conversion; a folder of engines or an MLA
     model is refused with the command that takes it."""
-    from kvexport.convert import layout
+    from kvexport import layout
     from kvexport.errors import BadUsage
 
     if layout.is_conversion(d):
@@ -182,9 +183,9 @@ def open_generator(directory: Path, backend: str = "onnxruntime", engines: Path 
     if backend == "onnxruntime":
         if engines is not None:
             raise BadUsage("--engines is for --backend tensorrt")
-        from kvexport.export.runtime import OrtGenerator
+        from kvexport.runtime.onnxruntime import open_onnxruntime
 
-        return OrtGenerator(directory)
+        return open_onnxruntime(directory)
     if backend == "tensorrt":
         from kvexport.tensorrt.generator import TrtGenerator
 

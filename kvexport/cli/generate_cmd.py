@@ -9,8 +9,9 @@ from typing import Optional
 
 import typer
 
-from kvexport.cli import app
-from kvexport.cli.common import PRESS_HELP, build_press, cache_summary, encode_prompts, read_prompt_file, resolve_model
+from kvexport.cli.app import app
+from kvexport.cli.common import PRESS_HELP, cache_summary, encode_prompts, read_prompt_file
+from kvexport.models.gguf import resolve_model
 
 DEFAULT_BUDGET = 256
 
@@ -41,8 +42,9 @@ def generate_cmd(
 
     from kvexport.errors import BadUsage
     from kvexport.generation import generate
-    from kvexport.mla.io import is_mla_dir, verify_mla_files
-    from kvexport.models.loading import check_model_dir, load_decoder, load_tokenizer
+    from kvexport.mla.io import is_mla_dir, load_decoder, verify_mla_files
+    from kvexport.models.loading import check_model_dir, load_tokenizer
+    from kvexport.presses import build_press
 
     console = Console()
     if press not in (None, "none") and budget is None and ratio is None:

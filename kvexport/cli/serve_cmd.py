@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from kvexport.cli import app
+from kvexport.cli.app import app
 
 
 @app.command("serve")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvexport.convert import layout
+from kvexport import layout
 
 #: checkpoints at least this large (bytes, in their own dtype) are exported in a child process (kvexport.convert.isolate):
 #: the exporter's libraries and graphs leave ≈ 0.2-0.35 GB in the process that exports (a 12- to 28-layer Qwen3), which
@@ -50,9 +50,9 @@ def baseline_job(st) -> tuple[Any, Path, dict[str, Any]]:
 def run_jobs(jobs: list[tuple[Any, Path, dict[str, Any]]], progress=None) -> list[str]:
     """Export each (model, out, keywords) in turn, memory given back after each; -> the output directories.
     What :func:`kvexport.convert.isolate.call_in_child` runs (module level, plain arguments)."""
-    from kvexport.cli import quiet_libraries
     from kvexport.export import export_model
-    from kvexport.models.loading import free_memory
+    from kvexport.models.release import free_memory
+    from kvexport.quiet import quiet_libraries
 
     quiet_libraries()  # in a child process too: no library progress bars between the stage lines
     outs = []

@@ -3,8 +3,8 @@
 
 Everything that can be refused is refused before the first stage (settings, model directory, ranks,
 ``--out``, TensorRT for ``--target tensorrt`` without ``--allow-partial``). Stages then run inside a
-temporary sibling of ``--out`` that is renamed onto it only at the end (kvexport.export.manifest's
-``atomic_output``), so a failed stage leaves nothing behind. See :mod:`kvexport.convert.layout` for
+temporary sibling of ``--out`` that is renamed onto it only at the end (kvexport.manifest's
+``atomic_output``), so a failed stage leaves nothing behind. See :mod:`kvexport.layout` for
 what the directory holds.
 """
 
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvexport import layout
 from kvexport.atomic import rebase_paths
-from kvexport.convert import layout
 from kvexport.convert.config import ConvertConfig, default_rope_dim, showcase_mla
 from kvexport.convert.pipeline import Pipeline, Stage, StageRecord, StageSkipped
 from kvexport.errors import BadUsage, MissingBackend, ParityFailure
@@ -76,8 +76,7 @@ def tensorrt_problem() -> str | None:
 
 def resolve_settings(cfg: ConvertConfig) -> tuple[ConvertConfig, Path, Any]:
     """Check and complete the settings against the model; -> (cfg, model dir, ModelSpec). No work done."""
-    from kvexport.cli.common import resolve_model
-    from kvexport.models.gguf import is_gguf
+    from kvexport.models.gguf import is_gguf, resolve_model
     from kvexport.models.loading import check_model_dir
     from kvexport.profile.run import model_spec
 
@@ -139,8 +138,9 @@ def stage_load(st: ConvertState) -> str:
     """The model for the rewrite, in fp32 (its SVDs); without MLA nothing here reads the weights (the export
     loads the directory itself, in the export's dtype): only the checkpoint's headers are read, so a bf16
     checkpoint of 8B parameters is never widened to a 32 GB fp32 copy."""
-    from kvexport.cli import quiet_libraries
-    from kvexport.models.loading import checkpoint_size, load_decoder, load_tokenizer
+    from kvexport.mla.io import load_decoder
+    from kvexport.models.loading import checkpoint_size, load_tokenizer
+    from kvexport.quiet import quiet_libraries
 
     quiet_libraries()  # no `Loading weights` bar, no accelerate checkpoint warnings in the stage lines
     n, size = checkpoint_size(st.model_path)
@@ -176,8 +176,8 @@ def stage_distill(st: ConvertState) -> str:
     """Forward-KL distillation of the MLA student against the teacher (kvexport.mla.distill), then DIR/mla
     is replaced by the distilled model; the run's summary is kept as DIR/distill_summary.json."""
     from kvexport.mla.distill import DistillConfig, check_teacher, distill, read_tokens
-    from kvexport.mla.io import load_mla, save_mla
-    from kvexport.models.loading import load_decoder, load_tokenizer
+    from kvexport.mla.io import load_decoder, load_mla, save_mla
+    from kvexport.models.loading import load_tokenizer
 
     cfg = st.cfg
     tok = load_tokenizer(st.model_path)
@@ -244,7 +244,7 @@ def stage_engine(st: ConvertState) -> str:
     reports = [build_engine(g, out / (g.stem + ".engine"), fp16=st.cfg.fp16)
                for g in find_onnx_graphs(st.work / layout.ONNX_DIR)]
     write_build_record(out, reports)
-    from kvexport.export.manifest import MANIFEST, sha256_file, write_manifest
+    from kvexport.manifest import MANIFEST, sha256_file, write_manifest
     from kvexport.tensorrt.generator import ENGINE_KIND
 
     onnx_manifest = st.work / layout.ONNX_DIR / MANIFEST
@@ -361,7 +361,7 @@ def run_convert(cfg: ConvertConfig, out: str | Path, force: bool = False, consol
     """Run a whole conversion into ``out``; -> convert.json's content. Raises the failed stage's error
     (named), :class:`MissingBackend` after keeping the ONNX result for ``--target tensorrt
     --allow-partial`` without TensorRT."""
-    from kvexport.export.manifest import atomic_output, check_out_dir
+    from kvexport.manifest import atomic_output, check_out_dir
 
     cfg.check()
     if cfg.target == "tensorrt" and not cfg.allow_partial:  # before anything slow: loading the model takes a while
@@ -407,7 +407,7 @@ def run_convert(cfg: ConvertConfig, out: str | Path, force: bool = False, consol
 # ----------------------------------------------------------------------------- helpers
 def release(st: ConvertState, *names: str) -> None:
     """Drop the state's references to models a later stage does not need, and give their memory back."""
-    from kvexport.models.loading import free_memory
+    from kvexport.models.release import free_memory
 
     for n in names:
         setattr(st, n, None)

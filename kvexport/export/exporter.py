@@ -3,7 +3,8 @@
 
 Exporter: ``torch.onnx.export(dynamo=True)`` (torch.export, then onnxscript's translation) with a
 ``custom_translation_table`` that emits the ``kvexport`` custom nodes; the model-local functions and the
-op schemas are added afterwards (:mod:`kvexport.export.ops`). It was chosen over the TorchScript exporter
+op schemas are added afterwards (:mod:`kvexport.ops`). The models call the custom ops themselves (each op module's
+model-facing function is the custom op while torch.export traces), so nothing is patched for the export. It was chosen over the TorchScript exporter
 because it traces the press's Python ``score()`` without scripting, is the maintained path in torch 2.13,
 and gives the same bytes on every run once node metadata (stack traces) is stripped.
 
@@ -15,7 +16,7 @@ Layout of an export directory (static caches)::
     compact.onnx           decode-time compaction of every layer (absent without a press)
     weights.data   every graph's weights (initializers >= 1 KiB), each tensor once: the graphs share it by offset
     tokenizer/     the source model's tokenizer files, when it has them
-    manifest.json  settings, model hash and sha256 of every file (kvexport.export.manifest)
+    manifest.json  settings, model hash and sha256 of every file (kvexport.manifest)
 
 A full cache (no press) of more than :data:`~kvexport.cache.plan.MIN_BUCKET` slots is exported with its capacity
 axis (axis 2 of every cache tensor) as one dynamic dimension ``capacity`` (manifest ``dynamic_capacity``), so the
@@ -40,11 +41,12 @@ from typing import Any
 
 import torch
 
+from kvexport import ops
 from kvexport.cache.plan import MIN_BUCKET
 from kvexport.errors import BadUsage
-from kvexport.export import graphs, ops
-from kvexport.export.manifest import ONNX_EXPORT as KIND
-from kvexport.export.manifest import ORT_ONLY_SUFFIX, atomic_output, check_out_dir, write_manifest
+from kvexport.export import graphs
+from kvexport.manifest import ONNX_EXPORT as KIND
+from kvexport.manifest import ORT_ONLY_SUFFIX, atomic_output, check_out_dir, write_manifest
 from kvexport.models.loading import TOKENIZER_FILES
 
 # torch's exporter warns once per graph that torchvision's ops are not registered; they are never used here
@@ -176,28 +178,6 @@ def press_from_dict(d: dict[str, Any] | None):
 
 
 # ----------------------------------------------------------------------------- ONNX post-processing
-@contextlib.contextmanager
-def _latent_attention_as_custom_op():
-    """While exporting, route MLA's reference ``latent_attention`` through ``torch.ops.kvexport``."""
-    try:
-        import kvexport.mla.attention as mla_attn
-    except ImportError:
-        yield
-        return
-    saved = mla_attn.latent_attention
-
-    def routed(q, latent, q_positions, latent_positions, rank, scale, new_latent=None, latent_scale=None,
-               latent_format=0):
-        return ops.latent_attention(q, latent, q_positions, latent_positions, int(rank), float(scale), new_latent,
-                                    latent_scale, int(latent_format))
-
-    mla_attn.latent_attention = routed
-    try:
-        yield
-    finally:
-        mla_attn.latent_attention = saved
-
-
 def _finish_proto(model, custom: bool):
     """Attach (custom) or inline (standard) the kvexport functions, strip per-node metadata. The graph's weights
     are external by now (:class:`SharedWeights`), so the proto is small; it is checked once saved (:func:`_check`)."""
@@ -276,7 +256,7 @@ def _export_graph(module, args: tuple, input_names: list[str], output_names: lis
     passes each large one is written to ``weights`` and replaced by a reference, one tensor at a time, before the
     graph becomes a proto, so the weights are never serialized into memory."""
     table = ops.translation_table()
-    with torch.no_grad(), warnings.catch_warnings(), _latent_attention_as_custom_op(), _torchlib_registry_once():
+    with torch.no_grad(), warnings.catch_warnings(), _torchlib_registry_once():
         warnings.simplefilter("ignore")
         import io
         from contextlib import redirect_stdout
@@ -510,7 +490,7 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
     default the model directory itself when it is an HF one). progress: ``progress(message)`` per graph.
     """
     opsel = ops
-    from kvexport.export import ops as ops_mod
+    from kvexport import ops as ops_mod
 
     if opsel not in ("custom", "standard"):
         raise BadUsage(f"--ops {opsel!r} unknown; accepted: custom, standard")

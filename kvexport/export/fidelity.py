@@ -196,7 +196,8 @@ class FidelityRun:
             return
         import torch
 
-        from kvexport.models.loading import free_memory, load_hf_model
+        from kvexport.models.loading import load_hf_model
+        from kvexport.models.release import free_memory
 
         self.say("fidelity: loading the original model")
         hf = load_hf_model(self.orig_dir, "fp32")

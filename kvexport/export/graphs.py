@@ -30,12 +30,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvexport import ops
 from kvexport.cache.candidates import keep_best
 from kvexport.cache.formats import kv_format, layer_fields
 from kvexport.cache.quant import QuantizedRows, decode, encode, storage_dtype
-from kvexport.cache.static_cache import ScoreContext, dtype_name
+from kvexport.cache.static_cache import dtype_name
 from kvexport.errors import BadUsage
-from kvexport.export import ops
+from kvexport.presses.context import ScoreContext
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,7 @@ class _CacheGraph(nn.Module):
         the layer's cache fields (kept codes and scales gathered from ``stored`` for a lossy format)."""
         s = self.shapes[i]
         got = keep_best(self.press, self.make_inputs(i), k, v, pos, queries, q_positions, fill, n_pad, s.capacity,
-                        s.budget, s.budget, topk=ops.topk_gather, stored=stored)
+                        s.budget, s.budget, topk=ops.topk_gather.topk_gather, stored=stored)
         named = dict(zip(("k", "v", "pos", "ks", "vs"), got, strict=False))
         return [named[f] for f in s.fields]
 

@@ -370,7 +370,7 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     backend "tensorrt" adds the pairs ``onnxruntime~tensorrt`` and ``pytorch~tensorrt`` (engines from
     ``engines``, default ``DIR-tensorrt``; ``trt_generator``: an already opened
     :class:`~kvexport.tensorrt.generator.TrtGenerator`). ``candidate``: validate this step generator (same API as
-    :class:`~kvexport.export.runtime.OrtGenerator`) instead of onnxruntime's. Every pair goes through Polygraphy.
+    :class:`~kvexport.runtime.onnxruntime.OrtGenerator`) instead of onnxruntime's. Every pair goes through Polygraphy.
     fidelity: also compare with the original model (``original``: its HF directory; default: the one the
     manifest names) on ``eval_data`` (a text file; default: the bundled held-out text); ``fidelity_settings``:
     a :class:`~kvexport.export.fidelity.FidelitySettings`. ``min_agreement`` / ``max_ppl_increase`` gate it.
@@ -383,12 +383,12 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     from polygraphy.comparator import Comparator, SimpleCompareFunc
 
     from kvexport.export.exporter import press_from_dict
-    from kvexport.export.manifest import ONNX_EXPORT as KIND
-    from kvexport.export.manifest import verify_manifest
-    from kvexport.export.runtime import OrtGenerator
     from kvexport.export.ties import TIE_RTOL
     from kvexport.export.twin import is_lossy
-    from kvexport.models.loading import free_memory
+    from kvexport.manifest import ONNX_EXPORT as KIND
+    from kvexport.manifest import verify_manifest
+    from kvexport.models.release import free_memory
+    from kvexport.runtime.onnxruntime import open_onnxruntime
 
     say = progress or (lambda msg: None)
     if int(steps) < 1:
@@ -417,7 +417,7 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     if model is None:  # a missing or changed source fails now, not after the candidate's runs
         check_reference_source(manifest, root=path)
     say(f"opening the {'candidate' if candidate is not None else 'onnxruntime sessions'}")
-    gen = candidate if candidate is not None else OrtGenerator(path, providers=providers)
+    gen = candidate if candidate is not None else open_onnxruntime(path, providers=providers)
     s = gen.settings
     tokenizer = None
     if s.get("tokenizer"):

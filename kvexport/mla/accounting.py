@@ -2,7 +2,7 @@
 """Cache accounting for ``kvexport inspect``: elements and bytes per token and layer, per sequence, resident
 bytes, and the ratio to the original cache, from a :class:`~kvexport.models.spec.ModelSpec` alone.
 
-The formula has one owner, :class:`kvexport.profile.kv_bytes.CacheShape` (GQA/MHA ``2 · n_kv · d_h`` elements
+The formula has one owner, :class:`kvexport.cache.memory.CacheShape` (GQA/MHA ``2 · n_kv · d_h`` elements
 per token and layer, MLA ``r_kv + d_rope``; a static budget holds ``budget + window`` slots per layer whatever
 the context, else the whole context); this module only builds the shape from a spec and the inspect flags and
 reports it. The original cache is the same model's GQA/MHA cache over the whole context, in the same element
@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvexport.cache.memory import CacheShape
 from kvexport.errors import BadUsage
 from kvexport.models.spec import ModelSpec
-from kvexport.profile.kv_bytes import CacheShape
 
 #: cache element types of ``--dtype`` and their bytes (int8/fp8 add a float16 scale per row, counted by CacheShape)
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "int8": 1, "fp8": 1}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvexport.cache.visibility import visible
 from kvexport.models.rope import Rotary
 from kvexport.models.spec import ModelSpec
 
@@ -32,16 +33,6 @@ class RMSNorm(nn.Module):
         xf = x.to(torch.float32)
         xf = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
-
-
-def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
-    """q_pos (B, T), k_pos (B, Hc, S) -> bool (B, Hc, T, S): key j visible to query t."""
-    kp = k_pos[:, :, None, :]  # (B, Hc, 1, S)
-    qp = q_pos[:, None, :, None]  # (B, 1, T, 1)
-    vis = (kp >= 0) & (kp <= qp)
-    if sliding_window is not None:
-        vis = vis & (qp - kp < int(sliding_window))
-    return vis
 
 
 def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
@@ -210,10 +201,10 @@ class GQAAttention(nn.Module):
 
     def _step_in_place(self, h, positions, past_k, past_v, past_pos):
         """The in-place decode graph's layer step (T = 1): the projections in (B, 1, H * D) layout, rotated, written
-        into the cache at ``step_slots`` and attended by one :func:`kvexport.export.ops.cache_step_attention`
+        into the cache at ``step_slots`` and attended by one :func:`kvexport.ops.cache_step_attention.cache_step_attention`
         (onnxruntime's GroupQueryAttention). -> out (B, 1, H), the updated k / v cache, q_pre (B, Hq, 1, D) for the
         query ring. The same arithmetic as :meth:`forward`; only the layout and the one fused op differ."""
-        from kvexport.export import ops
+        from kvexport import ops
 
         B, T, _ = h.shape
         Hq, Hc, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -228,7 +219,7 @@ class GQAAttention(nn.Module):
         bias = torch.where(vis, 0.0, torch.finfo(torch.float32).min).to(q.dtype)
         if Hq != Hc:
             bias = bias.index_select(1, torch.arange(Hq, device=bias.device) // (Hq // Hc))
-        out, k_cache, v_cache = ops.cache_step_attention(
+        out, k_cache, v_cache = ops.cache_step_attention.cache_step_attention(
             q, k, v, past_k, past_v, bias, self.step_slots, cos[:, 0, :half], sin[:, 0, :half], float(self.scaling),
             Hq, Hc)
         return self.o_proj(out), k_cache, v_cache, q.view(B, T, Hq, D).transpose(1, 2)

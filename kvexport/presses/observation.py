@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from kvexport.cache.visibility import visible as visible_by_position
 from kvexport.presses.base import ScoreInputs
 
 
@@ -29,8 +30,6 @@ def query_valid(inputs: ScoreInputs, last: int | None = None) -> torch.Tensor:
 
 def visible(inputs: ScoreInputs, last: int | None = None) -> torch.Tensor:
     """(B, Hc, Q', S) bool: candidate j visible to (real) observation query t."""
-    from kvexport.models.attention import visible as visible_by_position
-
     qp = inputs.query_positions if last is None else inputs.query_positions[:, -last:]
     return visible_by_position(qp, inputs.positions, inputs.sliding_window) & (qp >= 0)[:, None, :, None]
 

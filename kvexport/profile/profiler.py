@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kvexport.profile.kv_bytes import CacheShape
+from kvexport.cache.memory import CacheShape
 from kvexport.profile.memory import PeakRSS, gpu_present, nvml_device_memory, torch_cuda_peak, torch_cuda_reset_peak
 from kvexport.profile.tegrastats import TegraStatsSampler, is_jetson
 

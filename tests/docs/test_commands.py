@@ -373,7 +373,7 @@ def test_docs_commands(chain, scratch_factory):
     r = _run("bash examples/jetson/deploy.sh kvx-student-kvx 87", scratch)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "skipping the TensorRT steps" in r.stdout
-    from kvexport.convert import layout
+    from kvexport import layout
 
     layout.verify_conversion(scratch / "kvx-student-kvx")
     assert (scratch / "kvx-student-kvx" / "report.html").stat().st_mtime >= \
@@ -437,6 +437,6 @@ def test_example_script(script, tmp_path):
         said = "The converted model is slower than the uncompressed baseline here" in text
         assert said == slower, (slower, text[-4000:])
         assert not said or "attends over its whole bucket" in text
-    from kvexport.convert import layout
+    from kvexport import layout
 
     layout.verify_conversion(out)

@@ -43,7 +43,7 @@ def _cases():
 
 @pytest.mark.parametrize("family,extra,config", _cases())
 def test_export_generate_validate(tiny_models, tmp_path, family, extra, config):
-    from kvexport.export import OrtGenerator, export_model, validate, verify_manifest
+    from kvexport.export import export_model, open_onnxruntime, validate, verify_manifest
     from kvexport.export.exporter import press_from_dict
     from kvexport.export.validation import reference_generate
 
@@ -53,7 +53,7 @@ def test_export_generate_validate(tiny_models, tmp_path, family, extra, config):
     s = man["settings"]
     # generate: onnxruntime greedy == PyTorch greedy on a prompt over several chunks
     ids = np.random.default_rng(1).integers(3, 128, (1, 29))
-    gen = OrtGenerator(out)
+    gen = open_onnxruntime(out)
     res = gen.generate(ids, None, 20, keep_logits=True)
     dec_ref = _reference_decoder(hf, s)
     ref = reference_generate(dec_ref, s, press_from_dict(s["press"]), ids, np.ones_like(ids), 20)
@@ -114,7 +114,7 @@ def test_weights_are_stored_once(tiny_models, tmp_path, dtype):
     unshared sessions and the PyTorch reference."""
     import onnx
 
-    from kvexport.export import OrtGenerator, export_model, verify_manifest
+    from kvexport.export import export_model, open_onnxruntime, verify_manifest
     from kvexport.export.exporter import EXTERNAL_MIN_BYTES, press_from_dict
     from kvexport.export.validation import reference_generate
 
@@ -135,7 +135,7 @@ def test_weights_are_stored_once(tiny_models, tmp_path, dtype):
     assert not list(out.glob("*.onnx.data"))
     s = verify_manifest(out)["settings"]
     ids = np.random.default_rng(2).integers(3, 128, (1, 21))
-    shared, plain = OrtGenerator(out), OrtGenerator(out, share_weights=False)
+    shared, plain = open_onnxruntime(out), open_onnxruntime(out, share_weights=False)
     assert shared._shared and not plain._shared
     a, b = shared.generate(ids, None, 30, keep_logits=True), plain.generate(ids, None, 30, keep_logits=True)
     np.testing.assert_array_equal(a.tokens, b.tokens)

@@ -20,10 +20,10 @@ import numpy as np
 def status():
     f = dict(l.split(':', 1) for l in open('/proc/self/status') if l.startswith(('RssAnon', 'RssFile')))
     return {k: int(v.split()[0]) * 1024 for k, v in f.items()}
-from kvexport.export.runtime import OrtGenerator
+from kvexport.runtime import open_onnxruntime
 import onnxruntime  # noqa: F401  (the library's own memory is not the weights')
 before = status()
-g = OrtGenerator(sys.argv[1], threads=1)
+g = open_onnxruntime(sys.argv[1], threads=1)
 g.generate(np.array([[1, 2, 3, 4]]), max_new_tokens=2)  # the sessions have run: nothing was copied lazily either
 after = status()
 print(json.dumps({"before": before, "after": after, "sessions": sorted(g.sessions)}))
@@ -44,9 +44,9 @@ def export_dir(tmp_path_factory):
 
 def test_shared_initializers_are_views_of_one_readonly_map(export_dir):
     from kvexport.export import exporter as ex
-    from kvexport.export.runtime import OrtGenerator
+    from kvexport.runtime import open_onnxruntime
 
-    g = OrtGenerator(export_dir, threads=1)
+    g = open_onnxruntime(export_dir, threads=1)
     assert len(g.sessions) > 1 and g._shared
     (loc, mm), = g._maps.items()
     assert loc == ex.WEIGHTS_FILE and isinstance(mm, np.memmap) and mm.mode == "r"

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from kvexport.profile.kv_bytes import CacheShape
+from kvexport.cache.memory import CacheShape
 from kvexport.profile.memory import PeakRSS, lifetime_peak_rss_bytes, rss_bytes
 from kvexport.profile.profiler import percentile, profile_runner, prompt_ids
 
@@ -68,7 +68,7 @@ def test_peak_rss_sees_a_transient_allocation():
     """A 128 MiB buffer, touched and held until the sampler has taken 3 samples, shows in the peak (>= 80 %)."""
     import time
 
-    from kvexport.models.loading import free_memory
+    from kvexport.models.release import free_memory
 
     free_memory()  # an earlier test's garbage (cycles) collected inside the window would hide the allocation
     n = 128 << 20

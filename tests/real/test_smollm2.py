@@ -38,7 +38,7 @@ def english_ids(tok, n: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def decoder(smollm2):
-    from kvexport.models.loading import load_decoder
+    from kvexport.mla.io import load_decoder
 
     dec, _ = load_decoder(smollm2.hf_dir)
     return dec.eval()

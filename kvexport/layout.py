@@ -88,7 +88,7 @@ def is_conversion(d: str | Path) -> bool:
 def record_outputs(d: str | Path) -> Path:
     """Write DIR/manifest.json listing the sha256 of the conversion's top-level outputs present now."""
     from kvexport.atomic import atomic_write_bytes
-    from kvexport.export.manifest import _version, sha256_file
+    from kvexport.manifest import _version, sha256_file
 
     d = Path(d)
     names = [n for n in OUTPUT_FILES if (d / n).is_file()]
@@ -127,7 +127,7 @@ def verify_conversion(d: str | Path, rewrites: tuple[str, ...] = ()) -> None:
     """BadArtifact naming the first missing or altered file: the top-level outputs listed in DIR/manifest.json,
     then every sub-directory's own manifest (onnx/, baseline/, engine/). ``rewrites``: outputs the caller is
     about to write again (names, or folder prefixes ending in "/"), not checked."""
-    from kvexport.export.manifest import sha256_file, verify_manifest
+    from kvexport.manifest import sha256_file, verify_manifest
 
     d = Path(d)
     top = read_manifest(d)
