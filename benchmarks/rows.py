@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvexport.cache.memory import CacheShape
+from kvexport.cache.plan import DEFAULT_WINDOW
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class Shape:
     vocab: int
     max_positions: int
     budget: int = 256
-    window: int = 32
+    window: int = DEFAULT_WINDOW
     chunk: int = 128
     mla_rank: int = 128
     rope_dim: int = 32

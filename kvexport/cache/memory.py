@@ -38,13 +38,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvexport.cache.formats import SCALE_BYTES, kv_format
+from kvexport.cache.formats import SCALE_BYTES, element_bytes, kv_format
 from kvexport.cache.plan import bucket_slots, capacities
 
 #: every kind of buffer a runtime holds for its sequences, in report order
 KINDS = ("kv", "scales", "positions", "queries", "query_positions", "step_outputs", "logits", "staging")
-#: element bytes of a model dtype (queries, logits), by every name kvexport accepts for it
-DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2}
 
 
 def kind_of(name: str) -> str:
@@ -227,7 +225,7 @@ class CacheShape:
         static = settings["mode"] == "static"
         return cls(int(settings["num_layers"]), int(spec["num_kv_heads"]), int(spec["head_dim"]), ranks,
                    int(mla["rope_dim"]) if mla else 0, budget=int(max(budgets)) if budgets else None,
-                   window=int(settings["window"] or 0), dtype_bytes=DTYPE_BYTES[settings["dtype"]],
+                   window=int(settings["window"] or 0), dtype_bytes=element_bytes(settings["dtype"]),
                    capacity=int(min(settings["capacities"])) if static and not budgets else None,
                    query_heads=int(spec["num_heads"]), query_dim=None if ranks else int(spec["head_dim"]),
                    vocab_size=int(settings["vocab_size"]),
@@ -274,4 +272,4 @@ def cache_table(shape: CacheShape, contexts: list[int], batch: int = 1) -> dict[
     }
 
 
-__all__ = ["CacheShape", "full_cache_of", "cache_table", "KINDS", "DTYPE_BYTES", "kind_of", "nbytes", "measure"]
+__all__ = ["CacheShape", "full_cache_of", "cache_table", "KINDS", "kind_of", "nbytes", "measure"]

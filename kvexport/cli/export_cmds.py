@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from kvexport.cache.plan import DEFAULT_WINDOW
 from kvexport.cli.app import app
 from kvexport.cli.common import PRESS_HELP
 from kvexport.models.gguf import resolve_model
@@ -20,7 +21,7 @@ def export_cmd(
     out: Path = typer.Option(..., "--out", "-o", help="Output directory (written atomically)."),
     press: str = typer.Option("none", help=PRESS_HELP + " Not exportable: random, optimal."),
     budget: Optional[int] = typer.Option(None, help="Tokens kept per layer and cache head after each compaction."),
-    window: int = typer.Option(32, help="Decode slots appended before the next compaction (capacity = budget + window)."),
+    window: int = typer.Option(DEFAULT_WINDOW, help="Decode slots appended before the next compaction (capacity = budget + window)."),
     mla_rank: Optional[int] = typer.Option(None, "--mla-rank", help="Rewrite to MLA with this latent rank r_kv first."),
     rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help="MLA decoupled RoPE width d_rope (default 32)."),
     batch: int = typer.Option(1, help="Static batch size of the graphs."),
@@ -93,8 +94,8 @@ def validate_cmd(
     from kvexport.convert.config import fidelity_kwargs
     from kvexport.convert.progress import StepProgress, stdout_console
     from kvexport.errors import ParityFailure
+    from kvexport.export.fidelity import gate_failure
     from kvexport.export.validation import validate
-    from kvexport.report.sections import fidelity_gate_failure
 
     conversion = layout.is_conversion(directory)
     export = directory / layout.ONNX_DIR if conversion else directory
@@ -126,7 +127,7 @@ def validate_cmd(
     failed = [n for n, p in rep["pairs"].items() if not p["passed"]]
     if failed:
         raise ParityFailure(f"{', '.join(failed)} outside tolerance; details in {target}")
-    gate = fidelity_gate_failure(rep.get("fidelity"))
+    gate = gate_failure(rep.get("fidelity"))
     if gate:
         raise ParityFailure(f"{gate}; details in {target}")
 

@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from kvexport.cache.plan import DEFAULT_WINDOW
 from kvexport.cli.app import app
 from kvexport.cli.common import PRESS_HELP, cache_summary, encode_prompts, read_prompt_file
 from kvexport.models.gguf import resolve_model
@@ -27,7 +28,7 @@ def generate_cmd(
     budget: Optional[int] = typer.Option(None, help=f"Tokens kept per layer and KV head after each compaction "
                                          f"(default {DEFAULT_BUDGET} with a press)."),
     ratio: Optional[float] = typer.Option(None, help="Instead of --budget: fraction of the prompt to evict, in [0, 1)."),
-    window: int = typer.Option(32, help="Recent-token slots appended while decoding before the next compaction."),
+    window: int = typer.Option(DEFAULT_WINDOW, help="Recent-token slots appended while decoding before the next compaction."),
     chunk: Optional[int] = typer.Option(None, help="Prefill in chunks of this many tokens (bounded peak memory)."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", help="Tokens to generate."),
     dtype: str = typer.Option("fp32", help="fp32, fp16 or bf16."),

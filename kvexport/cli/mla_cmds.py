@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from kvexport.cache.plan import DEFAULT_WINDOW
 from kvexport.cli.app import app
 from kvexport.models.gguf import resolve_model
 
@@ -129,7 +130,7 @@ def inspect_cmd(
     mla_energy: Optional[float] = typer.Option(None, "--mla-energy", help=ENERGY_HELP + " Loads the weights."),
     rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help=ROPE_HELP + " Default 32 with an MLA rank."),
     budget: Optional[int] = typer.Option(None, "--budget", help="Static eviction budget (tokens kept per layer)."),
-    window: int = typer.Option(32, "--window", help="Decode window slots on top of --budget."),
+    window: int = typer.Option(DEFAULT_WINDOW, "--window", help="Decode window slots on top of --budget."),
     context: int = typer.Option(4096, "--context", help="Sequence length for the per-sequence numbers."),
     cache_dtype: Optional[str] = typer.Option(None, "--dtype", help="Cache element type (default: the model's)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),

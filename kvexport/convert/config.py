@@ -26,13 +26,13 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from kvexport.cache.plan import DEFAULT_WINDOW
 from kvexport.errors import BadUsage
 
 TARGETS = ("onnx", "tensorrt")
 BACKENDS = ("onnxruntime", "tensorrt", "pytorch")
 DEFAULT_PRESS = "snapkv"
 DEFAULT_BUDGET = 256
-DEFAULT_WINDOW = 32
 DEFAULT_CHUNK = 64
 #: default profile contexts; contexts past the model's position range are dropped at run time
 DEFAULT_CONTEXTS = (512, 2048, 8192)

@@ -49,20 +49,10 @@ class ConvertState:
     notes: dict[str, Any] = field(default_factory=dict)
 
 
-def mla_available() -> bool:
-    try:
-        from kvexport.mla.rewrite import rewrite_to_mla  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def tensorrt_problem() -> str | None:
     """None when TensorRT engines can be built here, else one line saying what is missing."""
-    try:
-        from kvexport.tensorrt import import_tensorrt
-    except ImportError as e:
-        return f"kvexport's TensorRT support cannot be imported ({e})"
+    from kvexport.tensorrt.backend import import_tensorrt
+
     try:
         import_tensorrt()
     except MissingBackend as e:
@@ -86,11 +76,9 @@ def resolve_settings(cfg: ConvertConfig) -> tuple[ConvertConfig, Path, Any]:
     cfg.model = str(Path(cfg.model).resolve()) if is_gguf(cfg.model or "") else str(model_path)
     check_model_dir(model_path)
     spec = model_spec(model_path)
-    if cfg.showcase_defaults and mla_available():
+    if cfg.showcase_defaults:
         cfg.mla_rank, cfg.rope_dim = showcase_mla(spec)
     if cfg.uses_mla:
-        if not mla_available():
-            raise MissingBackend("this kvexport has no MLA rewrite (kvexport.mla); drop --mla-rank/--mla-energy")
         if cfg.rope_dim is None:
             cfg.rope_dim = default_rope_dim(spec.head_dim)
         mla_settings(cfg).check_model(spec.head_dim, spec.hidden_size, spec.num_kv_heads)
@@ -98,14 +86,13 @@ def resolve_settings(cfg: ConvertConfig) -> tuple[ConvertConfig, Path, Any]:
         from kvexport.presses import make_press
 
         make_press(cfg.press, budget=cfg.budget)  # refuses a budget the press cannot take
-        try:
-            from kvexport.export.exporter import NOT_EXPORTABLE
-        except ImportError:
-            NOT_EXPORTABLE = {}
+        from kvexport.cache.plan import capacities
+        from kvexport.export.source import NOT_EXPORTABLE
+
         if cfg.press in NOT_EXPORTABLE:
             raise BadUsage(f"--press {cfg.press} cannot be exported: {NOT_EXPORTABLE[cfg.press]}")
         ctx_max = int(spec.max_position_embeddings)
-        if cfg.budget + cfg.window > ctx_max:
+        if capacities([cfg.budget], cfg.window)[0] > ctx_max:
             raise BadUsage(f"--budget {cfg.budget} + --window {cfg.window} exceeds the model's {ctx_max} positions")
     if cfg.max_positions is not None and cfg.max_positions > int(spec.max_position_embeddings):
         raise BadUsage(f"--max-positions {cfg.max_positions} exceeds the model's {spec.max_position_embeddings} "
@@ -259,9 +246,10 @@ def stage_validate(st: ConvertState) -> str:
     were built, + what compression cost against the original model (the fidelity settings), + a lossy cache format
     against its fp32 twin (parity.json's ``twin``, kvexport.export.twin); DIR/parity.json. A failed tolerance or fidelity gate fails the stage."""
     from kvexport.convert.config import fidelity_kwargs
+    from kvexport.export.fidelity import gate_failure
     from kvexport.export.validation import validate
     from kvexport.report.collect import normalize_parity
-    from kvexport.report.sections import fidelity_gate_failure, fidelity_summary
+    from kvexport.report.sections import fidelity_summary
 
     cfg = st.cfg
     kw = fidelity_kwargs(cfg.eval_data, cfg.min_agreement, cfg.max_ppl_increase, cfg.fidelity)
@@ -281,7 +269,7 @@ def stage_validate(st: ConvertState) -> str:
                          f"index agreement {p.get('index_agreement', float('nan')):.3f}" for p in bad)
         raise ParityFailure(f"parity FAILED ({what or 'no backend pair compared'}); nothing was written, rerun "
                             "with --no-validate to keep the export anyway")
-    gate = fidelity_gate_failure(parity.get("fidelity"))
+    gate = gate_failure(parity.get("fidelity"))
     if gate:
         raise ParityFailure(f"{gate}; nothing was written (loosen the gate or choose a milder compression)")
     msg = f"PASSED ({', '.join(p['pair'] for p in norm['pairs'])})"
@@ -297,14 +285,7 @@ def stage_validate(st: ConvertState) -> str:
 def stage_profile(st: ConvertState) -> str:
     from kvexport.profile.run import profile_dir
 
-    backend = "onnxruntime"
-    if st.cfg.target == "tensorrt" and st.engine_missing is None:
-        try:
-            from kvexport.tensorrt import TrtGenerator  # noqa: F401
-
-            backend = "tensorrt"
-        except ImportError:  # engines built, but no step-wise TensorRT runtime to time them with
-            st.notes["profile_backend"] = "onnxruntime (kvexport.tensorrt has no step runtime yet)"
+    backend = "tensorrt" if st.cfg.target == "tensorrt" and st.engine_missing is None else "onnxruntime"
     prof = profile_dir(st.work, backend=backend, contexts=st.cfg.contexts, decode_steps=st.cfg.decode_steps,
                        baseline=st.cfg.baseline, seed=st.cfg.seed, repeats=st.cfg.repeats, progress=st.progress,
                        shown_as=st.out)
@@ -466,4 +447,4 @@ def _dir_size(d: Path) -> int:
     return sum(p.stat().st_size for p in d.rglob("*") if p.is_file()) if d.exists() else 0
 
 
-__all__ = ["run_convert", "resolve_settings", "ConvertState", "tensorrt_problem", "mla_available"]
+__all__ = ["run_convert", "resolve_settings", "ConvertState", "tensorrt_problem"]

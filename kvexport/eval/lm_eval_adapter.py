@@ -30,6 +30,7 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from kvexport.cache.plan import DEFAULT_WINDOW
 from kvexport.errors import BadUsage
 
 
@@ -38,7 +39,7 @@ class KVExportLM(LM):
     """lm-eval model over a kvexport :class:`~kvexport.models.decoder.Decoder` (GQA or MLA)."""
 
     def __init__(self, pretrained: str, press: str | None = None, ratio: float | None = None,
-                 budget: int | None = None, window: int = 32, max_length: int | None = None, dtype: str = "fp32",
+                 budget: int | None = None, window: int = DEFAULT_WINDOW, max_length: int | None = None, dtype: str = "fp32",
                  device: str | None = None, batch_size: int | str = 1, max_gen_toks: int = 256, **kwargs):
         super().__init__()
         if not device or (str(device).startswith("cuda") and not torch.cuda.is_available()):

@@ -33,6 +33,7 @@ from torch import nn
 from kvexport import ops
 from kvexport.cache.candidates import keep_best
 from kvexport.cache.formats import kv_format, layer_fields
+from kvexport.cache.plan import capacities
 from kvexport.cache.quant import QuantizedRows, decode, encode, storage_dtype
 from kvexport.cache.static_cache import dtype_name
 from kvexport.errors import BadUsage
@@ -70,10 +71,10 @@ def check_kv_dtype(kv_dtype: str | None, dtype: str, dynamic_cache: bool = False
 def layer_shapes(decoder, budgets: list[int], window: int, kv_dtype: str | None = None) -> list[LayerShape]:
     out = []
     kv = kv_format(kv_dtype, dtype_name(next(decoder.parameters()).dtype)).name
-    for b, layer in zip(budgets, decoder.layers, strict=True):
+    for b, cap, layer in zip(budgets, capacities(budgets, window), decoder.layers, strict=True):
         a = layer.self_attn
         out.append(LayerShape(a.cache_heads, a.key_dim, a.value_dim, a.num_heads,
-                              getattr(a, "score_dim", a.head_dim), b, b + window, kv))
+                              getattr(a, "score_dim", a.head_dim), b, cap, kv))
     return out
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from kvexport.cache.plan import DEFAULT_WINDOW
 from kvexport.export.fidelity import _log_softmax
 
 #: cache format -> the model dtypes whose K/V it stores exactly (nothing to compare with a twin)
@@ -71,7 +72,7 @@ def _array(x) -> np.ndarray:
     return x.detach().float().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
 
 
-def twin_compare(decoder, windows, prefix: int, scored: int, kv_dtype: str, press_factory=None, window: int = 32,
+def twin_compare(decoder, windows, prefix: int, scored: int, kv_dtype: str, press_factory=None, window: int = DEFAULT_WINDOW,
                  chunk: int | None = None, capacity: int | None = None, batch: int = 8, track_kept: bool = True,
                  progress=None) -> dict[str, Any]:
     """The ``kv_dtype`` cache of ``decoder`` against its fp32 twin on ``windows`` (N, >= prefix) token ids.
@@ -83,7 +84,7 @@ def twin_compare(decoder, windows, prefix: int, scored: int, kv_dtype: str, pres
                              batch, track_kept, progress)[kv_dtype]
 
 
-def twin_compare_many(decoder, windows, prefix: int, scored: int, kv_dtypes, press_factory=None, window: int = 32,
+def twin_compare_many(decoder, windows, prefix: int, scored: int, kv_dtypes, press_factory=None, window: int = DEFAULT_WINDOW,
                       chunk: int | None = None, capacity: int | None = None, batch: int = 8, track_kept: bool = True,
                       progress=None) -> dict[str, dict[str, Any]]:
     """:func:`twin_compare` for several formats against one fp32 run per window batch -> {kv_dtype: figures}."""

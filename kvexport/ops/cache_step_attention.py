@@ -36,7 +36,7 @@ def cache_step_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: 
     q (B, 1, Hq * D), k_new / v_new (B, 1, Hc * D): the token's projections before RoPE; k_cache / v_cache
     (B, Hc, S, D) post-RoPE keys and values; bias (B, Hq, 1, S) additive, in q's dtype: 0 where query head h may
     see slot j, a large negative number where not (the caller makes it from
-    :func:`kvexport.models.attention.visible`, the one visibility rule); slots (B,) int32: the slot the token goes
+    :func:`kvexport.cache.visibility.visible`, the one visibility rule); slots (B,) int32: the slot the token goes
     to (plan rule 4: the layer's fill); cos / sin (B, D/2): the token's rotation (HF's half-split RoPE over the whole
     head, attention scaling included: :meth:`kvexport.models.rope.Rotary.cos_sin`'s first half).
     -> out (B, 1, Hq * D) = softmax(scale · q·Kᵀ + bias) V over the cache with the token's rotated key and value at

@@ -29,7 +29,7 @@ class ScoreInputs:
     scaling: softmax scale of the attention logits
     n_keep: how many candidates the cache will keep per (batch, head) in this layer
     sliding_window: the layer's attention window (None = unlimited): key j is visible to query t iff
-        ``0 <= pos_j <= pos_t`` and ``pos_t - pos_j < sliding_window`` (:func:`kvexport.models.attention.visible`)
+        ``0 <= pos_j <= pos_t`` and ``pos_t - pos_j < sliding_window`` (:func:`kvexport.cache.visibility.visible`)
 
     What the cache guarantees (rule 6): invalid candidates (position -1: empty slots, padding) come first and
     the valid ones after, in position order, so the last candidates are the newest real tokens; a row's real

@@ -20,21 +20,17 @@ from kvexport.runtime.sessions import OrtSessions
 
 class OrtGenerator(GraphHost):
     """A static-cache export on onnxruntime: the step driver (:mod:`kvexport.runtime.protocol`) of its batch, and
-    :meth:`generate` (:func:`kvexport.runtime.loop.generate` on it). ``slots``: a bank of batch-1 slots instead
-    (the server; :meth:`~kvexport.runtime.host.GraphHost.slot`); ``batched``: with slots, decode together through
-    ``decode_batch.onnx`` when the export has it. Other arguments: :class:`OrtSessions`."""
+    :meth:`generate` (:func:`kvexport.runtime.loop.generate` on it). Arguments: :class:`OrtSessions`."""
 
     backend = "onnxruntime"
 
     def __init__(self, path: str | Path, providers: list[str] | None = None, threads: int | None = None,
-                 share_weights: bool = True, inplace: bool | None = None, slots: int | None = None,
-                 batched: bool = True):
+                 share_weights: bool = True, inplace: bool | None = None):
         man = verify_manifest(Path(path), ONNX_EXPORT)
         if man["settings"]["mode"] != "static":
             raise BadArtifact(f"{path} is a growing-past (--dynamic-cache) export: its memory grows with each sequence; "
                               "open it with kvexport.runtime.open_onnxruntime, or use a static-cache export")
-        sessions = OrtSessions(path, providers, threads, share_weights, False if slots is not None else inplace, man)
-        super().__init__(sessions, slots=slots, batched=batched)
+        super().__init__(OrtSessions(path, providers, threads, share_weights, inplace, man))
 
     @property
     def sessions(self) -> dict:

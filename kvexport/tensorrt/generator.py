@@ -135,14 +135,13 @@ class TrtEngines:
 
 class TrtGenerator(GraphHost):
     """Greedy generation / the step driver on TensorRT engines: the one host
-    (:class:`~kvexport.runtime.host.GraphHost`) over :class:`TrtEngines`. ``slots`` / ``batched``: a bank of
-    batch-1 slots (the server), as :class:`~kvexport.runtime.onnxruntime.OrtGenerator`."""
+    (:class:`~kvexport.runtime.host.GraphHost`) over :class:`TrtEngines`."""
 
     backend = "tensorrt"
 
     def __init__(self, path: str | Path, engines: str | Path | None = None, plugins: str | Path | None = None,
-                 runner_factory: Callable | None = None, slots: int | None = None, batched: bool = True):
-        super().__init__(TrtEngines(path, engines, plugins, runner_factory), slots=slots, batched=batched)
+                 runner_factory: Callable | None = None):
+        super().__init__(TrtEngines(path, engines, plugins, runner_factory))
         self.engine_dir = self.graphs.engine_dir
 
     @property

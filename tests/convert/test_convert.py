@@ -196,7 +196,7 @@ def test_step_runner_matches_generate(converted, variant):
     the export's model and settings (kvexport.generation.generate, what validate compares with)."""
     import numpy as np
 
-    from kvexport.export.validation import load_reference_model, reference_generate
+    from kvexport.export.reference import load_reference_model, reference_generate
     from kvexport.manifest import verify_manifest
     from kvexport.profile.profiler import prompt_ids
     from kvexport.profile.runners import ProfiledDriver
@@ -211,7 +211,7 @@ def test_step_runner_matches_generate(converted, variant):
         toks.append(runner.decode(toks[-1]))
     manifest = verify_manifest(out / variant)
     s = manifest["settings"]
-    from kvexport.export.exporter import press_from_dict
+    from kvexport.export.source import press_from_dict
 
     dec = load_reference_model(manifest, root=out / variant)
     ref = reference_generate(dec, s, press_from_dict(s["press"]), ids, np.ones_like(ids), 12)

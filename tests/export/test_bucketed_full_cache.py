@@ -64,7 +64,7 @@ def _dims(path, graph: str) -> dict[str, list]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_parity_across_a_bucket_doubling(exports, name):
     from kvexport.export import OrtGenerator
-    from kvexport.export.validation import load_reference_model, reference_generate
+    from kvexport.export.reference import load_reference_model, reference_generate
 
     hf, out = exports(name)
     gen = OrtGenerator(out)
@@ -93,7 +93,7 @@ def test_reserved_bucket_is_taken_at_prefill(exports, name):
     length needs is taken at prefill when it is at most twice the prompt (no copy while decoding), and the run
     equals the PyTorch library path."""
     from kvexport.export import OrtGenerator
-    from kvexport.export.validation import load_reference_model, reference_generate
+    from kvexport.export.reference import load_reference_model, reference_generate
 
     hf, out = exports(name)
     gen = OrtGenerator(out)

@@ -43,7 +43,7 @@ def exported(model_dir, tmp_path_factory):
 
 def test_cli_generate_and_validate(exported, capsys, model_dir):
     from kvexport.export import OrtGenerator
-    from kvexport.export.exporter import press_from_dict
+    from kvexport.export.source import press_from_dict
     from kvexport.generation import generate
     from kvexport.mla.io import load_decoder
     from kvexport.models.loading import load_tokenizer

@@ -12,7 +12,7 @@ import pytest
 
 from kvexport.cache.memory import CacheShape
 from kvexport.export import export_model, open_onnxruntime
-from kvexport.export.validation import reference_generate
+from kvexport.export.reference import reference_generate
 from kvexport.models.decoder import Decoder
 from kvexport.runtime import Stream
 

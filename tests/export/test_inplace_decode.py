@@ -16,8 +16,8 @@ import pytest
 
 from kvexport.errors import BadUsage
 from kvexport.export import export_model, open_onnxruntime, validate, verify_manifest
-from kvexport.export.exporter import press_from_dict
-from kvexport.export.validation import load_reference_model, reference_generate
+from kvexport.export.reference import load_reference_model, reference_generate
+from kvexport.export.source import press_from_dict
 from kvexport.presses import make_press
 from kvexport.runtime import Stream
 from tests.conftest import FAMILIES, FAMILY_IDS

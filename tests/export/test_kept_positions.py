@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvexport.export.exporter import NOT_EXPORTABLE, export_model
+from kvexport.export.exporter import export_model
+from kvexport.export.source import NOT_EXPORTABLE
 from kvexport.export.ties import TieReferee
 from kvexport.generation import generate
 from kvexport.mla.io import load_decoder

@@ -44,8 +44,8 @@ def _cases():
 @pytest.mark.parametrize("family,extra,config", _cases())
 def test_export_generate_validate(tiny_models, tmp_path, family, extra, config):
     from kvexport.export import export_model, open_onnxruntime, validate, verify_manifest
-    from kvexport.export.exporter import press_from_dict
-    from kvexport.export.validation import reference_generate
+    from kvexport.export.reference import reference_generate
+    from kvexport.export.source import press_from_dict
 
     hf = tiny_models(family, **extra)
     out = export_model(hf, tmp_path / "x", **_press(CONFIGS[config]))
@@ -79,7 +79,7 @@ def test_export_generate_validate(tiny_models, tmp_path, family, extra, config):
 
 
 def _reference_decoder(hf, s):
-    from kvexport.export.validation import load_reference_model
+    from kvexport.export.reference import load_reference_model
 
     return load_reference_model({"settings": s}, hf)
 
@@ -90,7 +90,7 @@ def test_standard_ops_and_fp16(tiny_models, tmp_path, dtype, ops):
     import onnx
 
     from kvexport.export import export_model, validate
-    from kvexport.export.validation import TOLERANCES
+    from kvexport.export.parity import TOLERANCES
 
     hf = tiny_models("llama")
     out = export_model(hf, tmp_path / "x", dtype=dtype, ops=ops, mla_rank=16, rope_dim=4,
@@ -115,8 +115,9 @@ def test_weights_are_stored_once(tiny_models, tmp_path, dtype):
     import onnx
 
     from kvexport.export import export_model, open_onnxruntime, verify_manifest
-    from kvexport.export.exporter import EXTERNAL_MIN_BYTES, press_from_dict
-    from kvexport.export.validation import reference_generate
+    from kvexport.export.onnx_graph import EXTERNAL_MIN_BYTES
+    from kvexport.export.reference import reference_generate
+    from kvexport.export.source import press_from_dict
 
     hf = tiny_models("llama")
     out = export_model(hf, tmp_path / "x", dtype=dtype, **_press(CONFIGS["press"]))

@@ -23,8 +23,8 @@ import torch
 from kvexport.cache.memory import CacheShape
 from kvexport.errors import BadUsage
 from kvexport.export import export_model, open_onnxruntime, verify_manifest
+from kvexport.export.reference import load_reference_model
 from kvexport.export.ties import TieReferee
-from kvexport.export.validation import load_reference_model
 from kvexport.generation import generate
 from kvexport.presses import make_press
 
@@ -195,7 +195,8 @@ def test_validate_compares_a_quantized_export_with_the_same_format_and_reports_i
     """``validate`` runs the PyTorch reference in the export's kv_dtype (an fp32 reference would be ~1e-2 away) and,
     for a lossy format, adds the int8 cache against its fp32 twin (two independent generate runs)."""
     from kvexport.export.fidelity import FidelitySettings
-    from kvexport.export.validation import reference_kwargs, validate
+    from kvexport.export.reference import reference_kwargs
+    from kvexport.export.validation import validate
 
     hf = tiny_models("llama")
     out = export_model(hf, tmp_path / "x", press=_press("knorm"), window=WINDOW, chunk=CHUNK, kv_dtype="int8")

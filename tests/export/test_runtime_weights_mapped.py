@@ -43,7 +43,7 @@ def export_dir(tmp_path_factory):
 
 
 def test_shared_initializers_are_views_of_one_readonly_map(export_dir):
-    from kvexport.export import exporter as ex
+    from kvexport.export import onnx_graph as ex
     from kvexport.runtime import open_onnxruntime
 
     g = open_onnxruntime(export_dir, threads=1)
@@ -62,7 +62,7 @@ def test_sessions_hold_the_weights_as_file_pages(export_dir):
     """Anonymous memory grown by making the generator and running it stays under 0.5 x weights.data (measured
     0.25 x, a fixed ~16 MB of onnxruntime's own; the np.fromfile copy it replaced: 1.25 x, measured 2026-12-01);
     the weights show up as file pages (1.02 x)."""
-    from kvexport.export import exporter as ex
+    from kvexport.export import onnx_graph as ex
 
     weights = (export_dir / ex.WEIGHTS_FILE).stat().st_size
     assert weights > 50e6
@@ -95,7 +95,7 @@ def test_mla_sessions_fold_no_weight_into_a_copy(mla_export_dir):
     """MLA's absorbed attention reads kv_b_proj per head in two halves. Stored whole, each session folded the
     halves into copies of its own (measured 2026-12-02 on a 4-layer Qwen3-shape MLA export: +0.19 GB anonymous
     at open against +0.04 GB with the halves stored; 28 layers: +1.08 GB): anonymous memory stays under 0.35 x."""
-    from kvexport.export import exporter as ex
+    from kvexport.export import onnx_graph as ex
 
     weights = (mla_export_dir / ex.WEIGHTS_FILE).stat().st_size
     assert weights > 50e6
@@ -112,7 +112,7 @@ def test_a_single_graph_export_is_mapped_too(tmp_path):
     memory (measured 2026-12-02 on a 4-layer Qwen3-shape baseline: +0.31 GB anonymous for 0.46 GB of weights
     before, +0.02 GB after)."""
     from kvexport.export import export_model
-    from kvexport.export import exporter as ex
+    from kvexport.export import onnx_graph as ex
     from kvexport.models.decoder import Decoder
     from kvexport.models.tiny import tiny_model
 

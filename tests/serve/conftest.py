@@ -95,10 +95,10 @@ def chat_dir(exports) -> Path:
 
 class LibraryRun:
     """The PyTorch library path (:func:`kvexport.generation.generate`) with an export's source model and settings
-    (:func:`kvexport.export.validation.reference_kwargs`), one sequence at a time; results as NumPy arrays."""
+    (:func:`kvexport.export.reference.reference_kwargs`), one sequence at a time; results as NumPy arrays."""
 
     def __init__(self, export_dir: Path):
-        from kvexport.export.validation import load_reference_model
+        from kvexport.export.reference import load_reference_model
         from kvexport.manifest import ONNX_EXPORT, verify_manifest
 
         manifest = verify_manifest(export_dir, ONNX_EXPORT)
@@ -110,8 +110,8 @@ class LibraryRun:
         import numpy as np
         import torch
 
-        from kvexport.export.exporter import press_from_dict
-        from kvexport.export.validation import reference_kwargs
+        from kvexport.export.reference import reference_kwargs
+        from kvexport.export.source import press_from_dict
         from kvexport.generation import generate
 
         kw = reference_kwargs(self.settings, press_from_dict(self.settings["press"]))

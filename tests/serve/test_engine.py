@@ -51,7 +51,7 @@ def assert_same_kept(got: list, want_steps: list[str], want_kept: list) -> None:
 def test_slots_equal_solo_runs(export_dir, tokenizer, solo, decode):
     backend = GraphSlots(export_dir, max_sequences=2, decode=decode)
     assert backend.host.batched is (decode == "batched") and backend.n_slots == 2
-    assert not backend.host.inplace and "decode_inplace" not in backend.host.sessions
+    assert not backend.host.inplace and "decode_inplace" not in backend.host.graphs.sessions
     seqs, ticks = run(backend, tokenizer)
     assert_equal_library_runs(seqs, solo)
     # the third sequence took the slot the second left, and was admitted while the first still decoded
@@ -105,7 +105,7 @@ def test_tensorrt_host_logic_with_stand_in_engines(export_dir, tokenizer, solo, 
     engines = fake_engines(export_dir, tmp_path / "engines")
     backend = GraphSlots(export_dir, "tensorrt", max_sequences=2, engines=engines, decode="batched",
                          runtime_kw={"runner_factory": OnnxAsEngine})
-    assert backend.host.backend == "tensorrt" and backend.host.batched
+    assert backend.host.graphs.backend == "tensorrt" and backend.host.batched
     seqs, _ = run(backend, tokenizer)
     assert_equal_library_runs(seqs, solo)
 

@@ -67,8 +67,8 @@ def exported(tmp_path_factory, tiny_models):
 
 def library_run(export_dir: Path, model, ids: np.ndarray, n_new: int):
     """The PyTorch library path with the export's settings on ``model`` (the source of the export)."""
-    from kvexport.export.exporter import press_from_dict
-    from kvexport.export.validation import load_reference_model, reference_generate
+    from kvexport.export.reference import load_reference_model, reference_generate
+    from kvexport.export.source import press_from_dict
     from kvexport.manifest import verify_manifest
 
     manifest = verify_manifest(export_dir)

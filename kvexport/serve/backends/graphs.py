@@ -2,9 +2,9 @@
 """Cache slots over an export's graphs (onnxruntime, or TensorRT engines): in-flight batching on static caches.
 
 The export is made with ``batch=1, decode_batch=N`` (``kvexport export --batch 1 --decode-batch N``). The one host
-(:class:`~kvexport.runtime.host.GraphHost`, made with ``slots``) allocates every cache buffer once for all N slots as
-one (N, ...) bank; slot r is the contiguous row view ``arr[r:r+1]`` with its own plan state, a batch-1 step driver
-(:meth:`~kvexport.runtime.host.GraphHost.slot`). A slot's prefill chunks and compactions run the batch-1 graphs
+over a bank of slots (:class:`~kvexport.runtime.slots.SlotBank`) allocates every cache buffer once for all N slots
+as one (N, ...) bank; slot r is the contiguous row view ``arr[r:r+1]`` with its own plan state, a batch-1 step
+driver (:meth:`~kvexport.runtime.slots.SlotBank.slot`). A slot's prefill chunks and compactions run the batch-1 graphs
 (``prefill``, ``compact_prefill``, ``compact``) on its row views; all decoding slots step together through
 ``decode_batch.onnx`` (each row at its own position; the graph only reads the caches, and the host writes each
 row's new keys/values/queries where that row's plan says). Rows not decoding get token 0 at position 0 and their
@@ -20,6 +20,7 @@ one way. Both ways compute each row independently (their logits agree to float r
 from __future__ import annotations
 
 from kvexport.errors import BadArtifact, BadUsage
+from kvexport.runtime.slots import SlotBank
 from kvexport.serve.backends.base import DECODE_MODES, SlotBackend
 
 
@@ -46,15 +47,16 @@ class GraphSlots(SlotBackend):
                               "each sequence; serve a static-cache export (--press P --budget B, or --press none)")
         slots = max_sequences or s.get("decode_batch") or 4
         if backend == "tensorrt":
-            from kvexport.tensorrt.generator import TrtGenerator
+            from kvexport.tensorrt.generator import TrtEngines
 
-            host = TrtGenerator(export_dir, engines=engines, slots=slots, batched=decode != "rows", **(runtime_kw or {}))
+            graphs = TrtEngines(export_dir, engines=engines, **(runtime_kw or {}))
         else:
-            from kvexport.runtime.onnxruntime import OrtGenerator
+            from kvexport.runtime.sessions import OrtSessions
 
             # the slots decode through decode.onnx / decode_batch.onnx (an in-place graph, if the export has one,
             # is batch 1 over a generator's own buffers: not opened)
-            host = OrtGenerator(export_dir, threads=threads, slots=slots, batched=decode != "rows", **(runtime_kw or {}))
+            graphs = OrtSessions(export_dir, threads=threads, **{"inplace": False, **(runtime_kw or {})})
+        host = SlotBank(graphs, slots, batched=decode != "rows")
         if decode == "batched" and not host.batched:
             raise BadUsage(f"--decode batched needs a decode_batch graph; {export_dir} has none (export it with "
                            "--batch 1 --decode-batch N), or serve it with --decode rows")

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Cache slots on the PyTorch reference path: kvexport's Decoder with one :class:`StaticCache` per slot.
 
-The model is the export's source (``kvexport.export.validation.load_reference_model``: the manifest's model,
+The model is the export's source (``kvexport.export.reference.load_reference_model``: the manifest's model,
 checked against its hash), with the export's press, budgets, window, chunk and cache format (what
 ``kvexport validate`` compares the export with). Each slot is a :class:`~kvexport.runtime.torch_driver.TorchDriver`
 that makes a fresh batch-1 cache of the same fixed size for each admitted sequence; decode steps run one slot at a
@@ -26,8 +26,8 @@ class TorchSlots(SlotBackend):
     def __init__(self, export_dir, max_sequences: int | None = None, threads: int | None = None):
         import torch
 
-        from kvexport.export.exporter import press_from_dict
-        from kvexport.export.validation import load_reference_model, reference_kwargs
+        from kvexport.export.reference import load_reference_model, reference_kwargs
+        from kvexport.export.source import press_from_dict
         from kvexport.manifest import ONNX_EXPORT, verify_manifest
         from kvexport.runtime.torch_driver import TorchDriver
 
