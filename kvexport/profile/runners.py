@@ -1,10 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What the profiler times: a step driver (:mod:`kvexport.runtime.protocol`) fed a prompt and then one greedy token
-at a time through the one loop's :class:`~kvexport.runtime.loop.Stream`.
+"""What the profiler times: a step driver (:mod:`kvexport.runtime.protocol`) run by the one loop
+(:func:`kvexport.runtime.loop.generate`: the prompt, then greedy tokens, each step timed).
 
-:class:`ProfiledDriver` has ``start(total_tokens)`` (a fresh sequence of that length is coming), ``prefill(ids (1, N)
-int64) -> next token``, ``decode(token) -> next token``, ``files()`` (the model / engine files it loaded),
-``resident_bytes()`` and ``cache_shape`` (:class:`~kvexport.cache.memory.CacheShape`). The drivers: PyTorch
+:class:`ProfiledDriver` has ``generate(ids (1, N), new_tokens)`` (one run), ``files()`` (the model / engine files
+it loaded), ``resident_bytes()`` and ``cache_shape`` (:class:`~kvexport.cache.memory.CacheShape`). The drivers: PyTorch
 (:class:`~kvexport.runtime.torch_driver.TorchDriver`), onnxruntime (:func:`kvexport.runtime.open_onnxruntime`) and
 TensorRT (:class:`kvexport.tensorrt.generator.TrtGenerator`), opened by :mod:`kvexport.profile.run`.
 """
@@ -17,7 +16,7 @@ import numpy as np
 
 from kvexport.cache.memory import CacheShape
 from kvexport.errors import BadArtifact, BadUsage
-from kvexport.runtime.loop import Stream, greedy
+from kvexport.runtime.loop import generate
 
 
 class ProfiledDriver:
@@ -29,29 +28,17 @@ class ProfiledDriver:
             raise BadArtifact(f"{name or backend} was exported for batch {driver.batch}; the profiler runs batch 1")
         self.driver, self.backend, self._files, self.cache_shape = driver, backend, list(files or []), cache_shape
         self.name = name or backend
-        self.stream: Stream | None = None
-        self.total: int | None = None
 
     def files(self) -> list[Path]:
         return self._files
 
-    def start(self, total_tokens: int | None = None) -> None:
-        """A fresh sequence of ``total_tokens`` tokens (prompt + decoded) is next: a full cache is sized for it."""
-        self.total = total_tokens
-        self.stream = None
-
-    def prefill(self, ids: np.ndarray) -> int:
-        ids = np.asarray(ids, dtype=np.int64)
-        new = None if self.total is None else max(1, int(self.total) - ids.shape[1] + 1)
+    def generate(self, ids: np.ndarray, new_tokens: int):
+        """One timed run: the one loop on the driver (a fresh sequence of ``ids`` (1, N), ``new_tokens`` greedy
+        tokens, the first from the prompt); a prompt the export refuses is a BadArtifact naming it."""
         try:
-            self.stream = Stream(self.driver, ids, new_tokens=new)
-            logits = self.stream.prefill()
+            return generate(self.driver, np.asarray(ids, dtype=np.int64), max_new_tokens=new_tokens)
         except BadUsage as e:
             raise BadArtifact(f"{self.name}: {e}") from None
-        return int(greedy(logits)[0])
-
-    def decode(self, token: int) -> int:
-        return int(greedy(self.stream.decode(np.array([int(token)], np.int64)))[0])
 
     def resident_bytes(self) -> dict[str, int]:
         """What the driver holds now, read from its allocations."""

@@ -192,8 +192,8 @@ def test_tensorrt_missing(tiny_hf_dir, tmp_path, capsys, monkeypatch):
 
 @pytest.mark.parametrize("variant", ["onnx", "baseline"])
 def test_step_runner_matches_generate(converted, variant):
-    """The profiler's step-by-step onnxruntime runner produces the greedy tokens of the PyTorch library path with
-    the export's model and settings (kvexport.generation.generate, what validate compares with)."""
+    """The profiler's onnxruntime runs produce the greedy tokens of the PyTorch library path with the export's model
+    and settings (kvexport.generation.generate, what validate compares with)."""
     import numpy as np
 
     from kvexport.export.reference import load_reference_model, reference_generate
@@ -205,10 +205,7 @@ def test_step_runner_matches_generate(converted, variant):
     out, _ = converted
     ids = prompt_ids(45, 4096, seed=7)  # several chunks, past the budget: compactions in prefill and decode
     runner = ProfiledDriver(open_onnxruntime(out / variant), "onnxruntime")
-    runner.start(45 + 12)
-    toks = [runner.prefill(ids)]
-    for _ in range(11):
-        toks.append(runner.decode(toks[-1]))
+    toks = runner.generate(ids, 12).tokens[0].tolist()
     manifest = verify_manifest(out / variant)
     s = manifest["settings"]
     from kvexport.export.source import press_from_dict

@@ -131,16 +131,22 @@ def test_validate_adds_tensorrt_pairs(exported, tmp_path, tiny_models):
     assert json.loads((d / "parity.json").read_text())["pairs"].keys() == rep["pairs"].keys()
 
 
-def test_profile_runner_on_tensorrt_steps_like_the_library_path(exported, tiny_models):
+def test_profile_runner_on_tensorrt(exported, tiny_models):
+    """The profiler times the TensorRT driver through the one loop: its run is the library path's, and what it
+    reports resident is the formula's."""
+    from kvexport.cache.memory import CacheShape
+    from kvexport.manifest import verify_manifest
+    from kvexport.profile.profiler import profile_runner
     from kvexport.profile.runners import ProfiledDriver
 
     ids = np.random.default_rng(2).integers(3, 128, (1, 17))
-    r = ProfiledDriver(TrtGenerator(exported, runner_factory=OnnxAsEngine), "tensorrt")
-    r.start(30)
-    toks = [r.prefill(ids)]
-    for _ in range(10):
-        toks.append(r.decode(toks[-1]))
-    assert toks == library_run(exported, tiny_models("llama"), ids, 11).tokens[0].tolist()
+    shape = CacheShape.from_export(verify_manifest(exported)["settings"])
+    r = ProfiledDriver(TrtGenerator(exported, runner_factory=OnnxAsEngine), "tensorrt", cache_shape=shape)
+    assert r.generate(ids, 11).tokens[0].tolist() == library_run(exported, tiny_models("llama"), ids, 11).tokens[0].tolist()
+    out = profile_runner(r, [17], decode_steps=10, vocab_size=128, repeats=1)
+    row = out["contexts"][0]
+    assert out["backend"] == "tensorrt" and row["decode_steps"] == 10
+    assert row["resident"] == shape.resident_bytes_at(27)
 
 
 @pytest.mark.parametrize("argv", [
