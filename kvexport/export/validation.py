@@ -37,12 +37,6 @@ from kvexport.export.spill import StoredRuns
 PARITY_FILE = "parity.json"
 
 
-# ----------------------------------------------------------------------------- polygraphy runners
-
-
-# ----------------------------------------------------------------------------- prompts
-
-
 def twin_section(decoder, settings: dict, tokenizer, eval_data=None, fidelity_settings=None, say=None) -> dict:
     """A lossy cache (``settings["kv_dtype"]``) against its fp32 twin: the PyTorch library path with the export's
     model, press, budget, window and chunk, run once with ``kv_dtype=fp32`` and once in the export's format, on the

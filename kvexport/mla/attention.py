@@ -158,7 +158,7 @@ class MLAAttention(nn.Module):
         """o_lat (B, Hq, T, R), the attention-weighted latent -> per-head outputs (B, Hq, T, D) = W_UV,i o + b_V,i."""
         # matmul, not einsum, here and in the queries: onnxruntime's Einsum permutes the weight on every call (MLA's
         # three per-head products took 56 % of a 385M model's decode step); the exporter stores the transposed
-        # weight once (kvexport.export.exporter._fold_weight_reshapes), so each is a plain MatMul
+        # weight once (kvexport.export.onnx_graph._fold_weight_reshapes), so each is a plain MatMul
         out = torch.matmul(o_lat, self.w_uv().transpose(-1, -2))  # (B, Hq, T, r_kv) @ (Hq, r_kv, D)
         b = self.b_uv()
         return out if b is None else out + b[None, :, None, :]

@@ -12,7 +12,7 @@ Drivers: :class:`kvexport.runtime.torch_driver.TorchDriver` (the PyTorch library
 :class:`kvexport.runtime.onnxruntime.OrtGenerator` (an export on onnxruntime),
 :class:`kvexport.runtime.growing.GrowingPast` (the ``--dynamic-cache`` baseline) and
 :class:`kvexport.tensorrt.generator.TrtGenerator` (an export's engines); the server's slots are drivers over rows
-of one host (:meth:`kvexport.runtime.host.GraphHost.slot`).
+of one host (:meth:`kvexport.runtime.slots.SlotBank.slot`).
 """
 
 from __future__ import annotations
