@@ -37,10 +37,16 @@ class GenerationResult:
 
 
 def prefill(decoder, cache, input_ids, positions, chunk: int | None = None) -> torch.Tensor:
-    """Feed the prompt (B, N), whole or in chunks of ``chunk`` columns (plan rule 2); -> logits of the last chunk."""
+    """Feed the prompt (B, N), whole or in chunks of ``chunk`` columns (plan rule 2), each earlier chunk with its
+    lookahead tail when the cache's plan has one (rule 3b); -> logits of the last chunk."""
     logits = None
-    for c in cache_plan.CachePlan((1,), 0, False, chunk).chunks(input_ids.shape[1]):
-        logits = decoder(input_ids[:, c.start : c.stop], positions[:, c.start : c.stop], cache, mode="prefill")
+    plan = cache_plan.CachePlan((1,), 1, True, chunk, lookahead=cache.plan.lookahead)
+    for c in plan.chunks(input_ids.shape[1]):
+        tail = {}
+        if c.has_tail:
+            tail = {"tail_ids": input_ids[:, c.tail_start : c.tail_stop],
+                    "tail_positions": positions[:, c.tail_start : c.tail_stop]}
+        logits = decoder(input_ids[:, c.start : c.stop], positions[:, c.start : c.stop], cache, mode="prefill", **tail)
     return logits
 
 
@@ -60,6 +66,7 @@ def generate(
     capacity: int | None = None,
     tie_break: Callable | None = None,
     kv_dtype: str | None = None,
+    lookahead: int = 0,
 ) -> GenerationResult:
     """Greedy decoding with a static cache; ``press=None`` never evicts (the full-cache reference).
 
@@ -70,7 +77,8 @@ def generate(
     compaction. ``tie_break(where, layer, scores, positions, n_keep) -> indices or None``: lets a caller choose
     among candidates the press scores (near-)equal (validation uses it to follow another runtime's tie choices;
     see kvexport.export.validation). ``kv_dtype``: how the cache stores K/V (``fp32`` ``fp16`` ``bf16`` ``int8``
-    ``fp8``, :mod:`kvexport.cache.formats`; default: the model's dtype).
+    ``fp8``, :mod:`kvexport.cache.formats`; default: the model's dtype). ``lookahead`` L (with a press and
+    ``chunk``): the prompt's last L columns observe every earlier chunk (kvexport.cache.plan rule 3b).
     """
     if kv_dtype is not None:
         kv_format(kv_dtype)  # one line if unknown, before any work
@@ -96,7 +104,12 @@ def generate(
         budgets = press.layer_budgets(L, n_real)
         if hasattr(press, "reset"):
             press.reset()
-    cache = decoder.new_cache(B, press, budgets, window, chunk)
+    if int(lookahead) < 0:
+        raise BadUsage(f"lookahead {lookahead} must be >= 0")
+    if lookahead and press is not None and not press.observes:
+        raise BadUsage(f"--lookahead: {press.name} scores without observation queries, so a lookahead tail changes "
+                       "nothing; use it with snapkv, pyramidkv, tova, expected_attention or observed_attention")
+    cache = decoder.new_cache(B, press, budgets, window, chunk, lookahead=lookahead if press is not None else 0)
     if kv_dtype is not None:
         cache.set_kv_dtype(kv_dtype, decoder)
     if press is None:

