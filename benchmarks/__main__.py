@@ -10,7 +10,8 @@
 Writes ``results.json``, ``results.md`` and ``decode_ms.png`` / ``peak_memory.png`` into ``--out``. Each row runs
 in its own process (model loaded once, contexts ascending, the RSS high-water mark reset before each cell) under a
 memory limit (``--mem-limit-gb``) and a per-cell time limit; running out of either is recorded as that cell's
-result, and the row's larger contexts are then marked as skipped. With ``--rounds N`` the rows run N times,
+result, and the row's larger contexts are then marked as skipped. Each cell records how quiet the machine was
+while its row ran (``quiet``: load average, copy bandwidth before). With ``--rounds N`` the rows run N times,
 interleaved (A B C, then C B A, ...); each row keeps its quietest run (lowest mean 1-min load average sampled while
 it ran), the others go to ``results.json``'s ``other_rounds``.
 Exports (kvexport's and Optimum's) are built once and cached (``KVEXPORT_BENCH_CACHE``, default
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                 with LoadSampler() as ls:
                     recs = runner.run_row(cmd, row_ctxs, int(a.mem_limit_gb * 2**30), a.cell_timeout,
                                           threads=a.threads)
-                quiet = ls.record(rnd) if a.rounds > 1 else None
+                quiet = ls.record(rnd)
             for ctx, n, rec in zip(row_ctxs, ns, recs, strict=False):
                 cell = {"shape": sname, "row": rname, "context": ctx, "prompt_tokens": n,
                         "kv_bytes": shape.kv_bytes(row, n + a.steps, capacity), **runner.summarize(rec)}
