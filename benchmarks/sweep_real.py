@@ -39,35 +39,37 @@ def tier_settings(tier: str) -> tuple[list[Setting], SweepSpec]:
     # uninformative probe by the quality verdict's rule), so the tiers measure the passkey
     core_spec = SweepSpec(probe_lengths=(1536, 4096), probe_kinds=("passkey",))
     if tier == "core":
-        out = []
-        for b in reversed(BUDGETS):  # the budgets a default could take first
-            for p in ("snapkv", "expected_attention", "tova"):
-                out.append(Setting(p, b, press_kw=NEIGHBORS, generate_kw=LOOKAHEAD))
-            if b >= 1024:
-                out.append(Setting("snapkv", b, generate_kw=LOOKAHEAD))
-                out.append(Setting("knorm", b, press_kw=NEIGHBORS))
-            for p in PRESSES if b >= 1024 else ("snapkv", "expected_attention", "knorm", "streaming_llm"):
-                out.append(Setting(p, b))
+        la = {"press_kw": NEIGHBORS, "generate_kw": LOOKAHEAD}
+        out = [Setting("snapkv", 2048, **la), Setting("expected_attention", 2048, **la)]
+        # every press at 1024 first, so the figure has all of them early; then the budgets around it
+        out += [Setting("snapkv", 1024, **la)] + [Setting(p, 1024) for p in PRESSES]
+        for b in (512, 256):
+            out += [Setting("snapkv", b, **la)] + [Setting(p, b) for p in ("snapkv", "knorm", "streaming_llm",
+                                                                          "expected_attention")]
+        out += [Setting(p, 2048) for p in ("snapkv", "knorm", "streaming_llm", "expected_attention")]
+        out += [Setting("expected_attention", b, **la) for b in (1024, 512)]
+        out += [Setting("tova", b, **la) for b in (1024, 512)]
+        out += [Setting("snapkv", b, generate_kw=LOOKAHEAD) for b in (1024, 512)]
+        out += [Setting("knorm", b, press_kw=NEIGHBORS) for b in (1024, 512)]
+        out += [Setting(p, b) for b in (2048, 512, 256) for p in ("tova", "keydiff", "pyramidkv", "observed_attention",
+                                                                   "random") if not (b == 2048 and p == "random")]
         return out, core_spec
     if tier == "single":
-        return [Setting(p, b, chunk=None) for b in (1024, 512)
-                for p in ("snapkv", "expected_attention", "knorm", "streaming_llm")], core_spec
+        return [Setting(p, 1024, chunk=None) for p in ("snapkv", "expected_attention", "knorm", "streaming_llm")] + [
+            Setting("snapkv", 1024, chunk=None, press_kw=NEIGHBORS)], core_spec
     if tier == "mla":
-        out = [Setting(mla=r) for r in (1.0, 1.5, 2.0, 3.6)]
-        out += [Setting("snapkv", 2048, mla=r, press_kw=NEIGHBORS, generate_kw=LOOKAHEAD) for r in (1.5, 2.0)]
+        out = [Setting(mla=r) for r in (2.0, 1.5, 1.0, 3.6)]
+        out += [Setting("snapkv", 2048, mla=1.5, press_kw=NEIGHBORS, generate_kw=LOOKAHEAD)]
         return out, core_spec
     if tier == "int8":
         out = [Setting(kv_dtype="int8")]
         out += [Setting("snapkv", b, kv_dtype="int8", press_kw=NEIGHBORS, generate_kw=LOOKAHEAD) for b in (1024, 2048)]
-        out += [Setting("expected_attention", 2048, kv_dtype="int8", press_kw=NEIGHBORS, generate_kw=LOOKAHEAD)]
         return out, core_spec
     if tier == "long":
         spec = SweepSpec(windows=1, context=8192, probe_lengths=(8192,), probe_kinds=("passkey",))
         out = [Setting("snapkv", 2048, kv_dtype="int8", press_kw=NEIGHBORS, generate_kw=LOOKAHEAD),
-               Setting("snapkv", 2048, press_kw=NEIGHBORS, generate_kw=LOOKAHEAD), Setting("snapkv", 2048),
-               Setting("snapkv", 1024, press_kw=NEIGHBORS, generate_kw=LOOKAHEAD),
-               Setting("expected_attention", 2048, press_kw=NEIGHBORS, generate_kw=LOOKAHEAD),
-               Setting("knorm", 2048), Setting("streaming_llm", 2048), Setting(kv_dtype="int8")]
+               Setting("snapkv", 2048), Setting(kv_dtype="int8"),
+               Setting("snapkv", 2048, press_kw=NEIGHBORS, generate_kw=LOOKAHEAD)]
         return out, spec
     raise SystemExit(f"unknown tier {tier!r}; accepted: core, single, mla, int8, long, all")
 

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from kvexport.errors import BadUsage
+from kvexport.models.attention import fused_eager_attention
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,10 @@ class Sweep:
                 "slots": int(max(r.cache.plan.capacities))}
 
     def reference(self) -> dict[str, Any]:
+        with fused_eager_attention():
+            return self._reference()
+
+    def _reference(self) -> dict[str, Any]:
         """The original's text logits and probe results (full fp32 cache, the prompt in chunks of 512); kept in
         ``ref_cache`` (a directory) when the sweep has one, so other tiers and processes reuse them (a probe the
         kept file lacks is measured and added)."""
@@ -213,7 +218,12 @@ class Sweep:
 
     def measure(self, st: Setting, model=None, label: str | None = None) -> dict[str, Any]:
         """One setting's measures; ``model``: another decoder of the same model (e.g. a recovered MLA rewrite) to
-        run the setting on instead of the one ``st.mla`` names, recorded as ``label``."""
+        run the setting on instead of the one ``st.mla`` names, recorded as ``label``. Attention runs through
+        torch's fused kernel (:func:`~kvexport.models.attention.fused_eager_attention`), for the original too."""
+        with fused_eager_attention():
+            return self._measure(st, model, label)
+
+    def _measure(self, st: Setting, model, label) -> dict[str, Any]:
         s = self.spec
         ref = self.reference()
         dec = self.model(st.mla) if model is None else model
