@@ -37,7 +37,12 @@ def _key(d: dict) -> str:
 
 
 def model_dir(shape: Shape, cache: Path) -> Path:
-    """The HF checkpoint directory of ``shape`` (the local source, or random weights saved once)."""
+    """The HF checkpoint directory of ``shape`` (the local source, the registry model's fp32 directory, or random
+    weights saved once)."""
+    if shape.gguf is not None:
+        from kvexport.models import fetch
+
+        return fetch.hf_dir(shape.gguf)
     if shape.source is not None:
         p = Path(shape.source)
         return p if p.is_absolute() else REPO / p
@@ -64,6 +69,15 @@ def model_dir(shape: Shape, cache: Path) -> Path:
     model.save_pretrained(tmp)
     tmp.rename(out)
     return out
+
+
+def gguf_path(shape: Shape) -> Path:
+    """The GGUF file a registry shape comes from (what llama.cpp runs). Raises ValueError for other shapes."""
+    if shape.gguf is None:
+        raise ValueError(f"shape {shape.name} has no GGUF (llama.cpp runs the registry models only)")
+    from kvexport.models import fetch
+
+    return fetch.get(shape.gguf, quiet=True)
 
 
 def legacy_model_dir(shape: Shape, cache: Path) -> Path:
@@ -153,18 +167,18 @@ def _build_into(out: Path, command, marker: str, what: str, timeout_s: float) ->
 
 
 def ortgenai_build(shape: Shape, cache: Path, venv_python: Path, log=print, timeout_s: float = 1800.0,
-                   rebuild: bool = False) -> tuple[Path, float | None]:
-    """onnxruntime-genai's model builder (``python -m onnxruntime_genai.models.builder -i DIR -o OUT -p fp32 -e
-    cpu``) on the shape's checkpoint, in its venv, once. Returns (dir, seconds or None when cached)."""
+                   rebuild: bool = False, precision: str = "fp32") -> tuple[Path, float | None]:
+    """onnxruntime-genai's model builder (``python -m onnxruntime_genai.models.builder -i DIR -o OUT -p PRECISION
+    -e cpu``) on the shape's checkpoint, in its venv, once. Returns (dir, seconds or None when cached)."""
     src = legacy_model_dir(shape, cache)
-    out = cache / "ortgenai" / src.name
+    out = cache / "ortgenai" / (src.name if precision == "fp32" else f"{src.name}-{precision}")
     if not rebuild and (out / "genai_config.json").is_file() and (out / "model.onnx").is_file():
         return out, None
-    log(f"  onnxruntime-genai builder on {shape.name} ...")
+    log(f"  onnxruntime-genai builder ({precision}) on {shape.name} ...")
     dt = _build_into(out, lambda tmp: [str(venv_python), "-m", "onnxruntime_genai.models.builder", "-i", str(src),
-                                       "-o", str(tmp), "-p", "fp32", "-e", "cpu"],
+                                       "-o", str(tmp), "-p", precision, "-e", "cpu"],
                      "genai_config.json", "onnxruntime-genai builder", timeout_s)
-    log(f"  onnxruntime-genai build of {shape.name} in {dt:.0f} s")
+    log(f"  onnxruntime-genai build ({precision}) of {shape.name} in {dt:.0f} s")
     return out, dt
 
 
@@ -189,7 +203,7 @@ def weight_bytes(path: Path) -> int:
             n = 1
             for d in t.dims:
                 n *= d
-            total += n * {1: 4, 10: 2, 11: 8, 7: 8, 6: 4, 9: 1}.get(t.data_type, 4)
+            total += n * {1: 4, 10: 2, 11: 8, 7: 8, 6: 4, 9: 1, 2: 1, 3: 1}.get(t.data_type, 4)  # 2, 3: (u)int8
         return total
     from safetensors import safe_open
 

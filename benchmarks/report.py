@@ -78,6 +78,7 @@ def markdown(res: dict) -> str:
              f"{m['loadavg_start'][0]:.1f} at start, {m.get('loadavg_end', [0])[0]:.1f} at end. torch {m['torch']}, "
              f"transformers {m['transformers']}, onnxruntime {m['onnxruntime']}"
              + (f"; Optimum venv (transformers, torch, onnxruntime): {m['optimum_venv']}" if m.get("optimum_venv") else "")
+             + "".join(f"; {k[:-5]} venv: {m[k]}" for k in ("ortgenai_venv", "llamacpp_venv") if m.get(k))
              + ".",
              "",
              f"Memory bandwidth (NumPy copy of 256 MiB, read + write, single thread): {bw:.1f} GB/s at start, "

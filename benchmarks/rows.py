@@ -7,6 +7,8 @@ Rows, all greedy decoding at batch 1 of the same model and prompt:
     optimum         ``optimum-cli export onnx --task text-generation-with-past`` on onnxruntime (own venv)
     ortgenai        onnxruntime-genai's model builder: GroupQueryAttention over a preallocated past/present buffer
                     shared in place (own venv), the strongest full-cache CPU runtime
+    ortgenai-int4   the same builder with ``-p int4`` (MatMulNBits block-quantized weights), what a CPU user runs
+    llamacpp        llama.cpp (llama-cpp-python, own venv) on the shape's GGUF as shipped (smollm2: Q4_1), K/V fp16
     kvx-full        kvexport ``--press none``: a full cache of up to the run's largest context, written in place,
                     held in power-of-two buckets (kvexport.cache.plan rule 7)
     kvx-snapkv      kvexport static budget, SnapKV, budget + window slots per layer
@@ -21,7 +23,8 @@ Rows, all greedy decoding at batch 1 of the same model and prompt:
 Shapes: ``student`` (models/kvx-student), ``llama1b`` (Llama-3.2-1B's hidden size, heads, KV heads, head dim
 and MLP width with 2 layers, random weights), ``llama1b-16`` (all 16 layers, the vocabulary cut to 32k: decode
 cost of the real size; its static-budget cells start from a synthesised cache, see benchmarks/cell.py),
-``tiny`` (CI smoke test).
+``smollm2`` (SmolLM2-135M-Instruct, the real model: ``kvexport get smollm2``'s GGUF for llama.cpp, its fp32
+dequantization for every other row), ``tiny`` (CI smoke test).
 """
 
 from __future__ import annotations
@@ -36,13 +39,16 @@ from kvexport.cache.plan import DEFAULT_WINDOW
 @dataclass(frozen=True)
 class Row:
     name: str
-    kind: str  # "hf" | "optimum" | "ortgenai" | "kvx"
+    kind: str  # "hf" | "optimum" | "ortgenai" | "llamacpp" | "kvx"
     label: str
     press: str | None = None
     mla: bool = False
     dynamic_cache: bool = False
     full: bool = False  # a static full cache (capacity = the run's largest prompt + steps)
     inplace: bool = False  # also the in-place decode graph (decode_inplace.ort.onnx), which onnxruntime then runs
+    precision: str = "fp32"  # onnxruntime-genai builder's -p
+    kv_dtype_bytes: int = 4  # bytes per cached K/V element (llama.cpp: fp16)
+    real_model_peer: bool = False  # in the default rows only when a shape ships a GGUF (the real model)
 
     @property
     def static_budget(self) -> bool:
@@ -69,6 +75,10 @@ ROWS: dict[str, Row] = {r.name: r for r in [
     Row("hf", "hf", "HF transformers generate (PyTorch, full cache)"),
     Row("optimum", "optimum", "HF Optimum ONNX export (onnxruntime, full cache)"),
     Row("ortgenai", "ortgenai", "onnxruntime-genai builder (GroupQueryAttention, shared past/present buffer)"),
+    Row("ortgenai-int4", "ortgenai", "onnxruntime-genai builder -p int4 (MatMulNBits weights, fp32 cache)",
+        precision="int4", real_model_peer=True),
+    Row("llamacpp", "llamacpp", "llama.cpp (llama-cpp-python) on the GGUF as shipped, K/V cache fp16",
+        kv_dtype_bytes=2, real_model_peer=True),
     Row("kvx-full", "kvx", "kvexport --press none: static full cache written in place (onnxruntime)", full=True),
     Row("kvx-snapkv", "kvx", "kvexport SnapKV static budget", press="snapkv", inplace=True),
     Row("kvx-streaming", "kvx", "kvexport StreamingLLM static budget", press="streaming_llm", inplace=True),
@@ -98,7 +108,7 @@ class Shape:
     chunk: int = 128
     mla_rank: int = 128
     rope_dim: int = 32
-    source: str | None = None  # a local HF directory; None = random weights generated from the fields
+    source: str | None = None  # a local HF directory, "registry:NAME" (kvexport get NAME), None = random weights
     max_context: int | None = None  # the full run's largest context column on this shape (prefill time)
     tie: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
@@ -117,7 +127,12 @@ class Shape:
     def kv_bytes(self, row: Row, context: int, capacity: int | None = None) -> int:
         """K/V bytes held for one sequence of ``context`` tokens: budget + window slots with a press, the
         bucket of a static full cache (power-of-two, at most its capacity), else every token (growing caches)."""
-        return self.cache_shape(row, capacity=capacity).bytes_at(context)
+        return self.cache_shape(row, row.kv_dtype_bytes, capacity).bytes_at(context)
+
+    @property
+    def gguf(self) -> str | None:
+        """The registry name of the GGUF this shape comes from (what llama.cpp runs), else None."""
+        return self.source.split(":", 1)[1] if self.source and self.source.startswith("registry:") else None
 
     def mla_ratio(self) -> float:
         return (2 * self.kv_heads * self.head_dim) / (self.mla_rank + self.rope_dim)
@@ -145,6 +160,12 @@ SHAPES: dict[str, Shape] = {
     "llama1b-16": Shape("llama1b-16", hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, intermediate=8192,
                         vocab=32000, max_positions=32768, mla_rank=128, rope_dim=32, max_context=16384,
                         extra={"synthesize": True, "full_rows_max_context": 2048}),
+    # SmolLM2-135M-Instruct, the real model (kvexport get smollm2): the registry's GGUF (Q4_1) for llama.cpp, the HF
+    # directory kvexport dequantizes from it (fp32, 538 MB) for every other row. 8k positions: the "8k" column's prompt
+    # is 8192 - 64 - 1 - 128 = 7999 tokens.
+    "smollm2": Shape("smollm2", hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64, intermediate=1536,
+                     vocab=49152, max_positions=8192, source="registry:smollm2",
+                     max_context=8192),
     # CI smoke test: tiny, fast to export. 2·2·16 = 64 elements per token and layer; 8 + 2 = 10 -> 6.4×.
     "tiny": Shape("tiny", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256,
                   max_positions=1024, budget=96, window=8, chunk=32, mla_rank=8, rope_dim=2),

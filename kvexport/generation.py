@@ -33,6 +33,7 @@ def generate(
     capacity: int | None = None,
     tie_break: Callable | None = None,
     kv_dtype: str | None = None,
+    lookahead: int = 0,
 ) -> GenerationResult:
     """Greedy decoding with a static cache; ``press=None`` never evicts (the full-cache reference).
 
@@ -43,12 +44,13 @@ def generate(
     compaction. ``tie_break(where, layer, scores, positions, n_keep) -> indices or None``: lets a caller choose
     among candidates the press scores (near-)equal (validation uses it to follow another runtime's tie choices;
     see kvexport.export.ties). ``kv_dtype``: how the cache stores K/V (``fp32`` ``fp16`` ``bf16`` ``int8``
-    ``fp8``, :mod:`kvexport.cache.formats`; default: the model's dtype).
+    ``fp8``, :mod:`kvexport.cache.formats`; default: the model's dtype). ``lookahead`` L (with a press and
+    ``chunk``): the prompt's last L columns observe every earlier chunk (kvexport.cache.plan rule 3b).
     Returns tokens (B, n) as a torch tensor on the prompt's device; logits and kept positions as torch tensors;
     ``cache``: the StaticCache it ran on.
     """
     driver = TorchDriver(decoder, press, window, chunk, capacity, kv_dtype, batch=int(input_ids.shape[0]),
-                         tie_break=tie_break)
+                         tie_break=tie_break, lookahead=lookahead)
     res = loop.generate(driver, input_ids, attention_mask, max_new_tokens, eos_token_id, forced_tokens, keep_logits,
                         track_kept)
     res.tokens = torch.from_numpy(res.tokens).to(input_ids.device)

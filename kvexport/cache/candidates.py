@@ -69,6 +69,13 @@ def orders(fill, n_pad, n_slots: int, n_cols: int, device=None) -> Orders | None
     return Orders(press, kept, n_free)
 
 
+def _ranked(press, inputs) -> torch.Tensor:
+    """What the cache ranks candidates by: a :class:`~kvexport.presses.base.ScorerPress`'s ``keep_scores`` (its
+    scores spread to neighbours), or ``score`` of any object that only scores."""
+    rank = getattr(press, "keep_scores", None) or press.score
+    return rank(inputs).float()
+
+
 def keep_best(press, make_inputs, k, v, pos, queries, q_positions, fill, n_pad, n_slots: int, budget: int,
               capacity: int, topk=topk_gather_reference, stored=None):
     """Rules 3 and 5: score the candidates, keep the best ``budget`` in candidate order, then ``capacity -
@@ -102,10 +109,10 @@ def keep_best(press, make_inputs, k, v, pos, queries, q_positions, fill, n_pad, 
         kept_scales = [None if s is None else s[:, :, :budget] for s in scales]
     else:
         if o is None:
-            scores = press.score(make_inputs(k, v, pos, queries, q_positions)).float()
+            scores = _ranked(press, make_inputs(k, v, pos, queries, q_positions))
         else:
             ks, vs, ps = k.index_select(2, o.press), v.index_select(2, o.press), pos.index_select(2, o.press)
-            scores = press.score(make_inputs(ks, vs, ps, queries, q_positions)).float()
+            scores = _ranked(press, make_inputs(ks, vs, ps, queries, q_positions))
             back = torch.remainder(torch.arange(S, device=k.device) + o.shift, S)
             scores = scores.index_select(2, back)
             if S > n_slots:  # with no new columns the candidate order is the raw layout: nothing to reorder (and a

@@ -38,6 +38,13 @@ Rules
    back to candidate order, where entries of position -1 score -inf and ties go to the lower index (ONNX
    ``TopK``'s rule; :func:`kvexport.cache.candidates.select_kept`). Presses must score a valid candidate the same
    whatever invalid entries precede it (tests/presses check every registered press for that).
+3b. Lookahead observation (``lookahead`` L > 0, evicting caches): a chunk that is not the prompt's last is fed with
+   the prompt's last columns after it (at most L: ``[max(stop, N - L), N)``, its *tail*; a static width front-pads
+   the tail to L), placed at their true positions. The tail attends to the occupied slots, the chunk and itself
+   (causal by position); its rows are never stored; when the chunk compacts, the tail's queries observe it instead
+   of the chunk's own (the question at the end of a prompt says what to keep long before its chunk arrives). The
+   last chunk observes itself. Observers that are not candidates force nothing to be kept (rule 6 below applies to
+   a chunk's own queries).
 7. Buckets: a full cache whose graphs take the capacity axis as a dynamic dimension (``bucketed``) is held in
    :func:`bucket_slots` slots for the rows it must hold: the smallest power of two >= the rows, at least
    :data:`MIN_BUCKET`, at most the capacity. A prompt is fed into the bucket of its columns; a token that does
@@ -47,7 +54,7 @@ Rules
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -93,11 +100,19 @@ def ring_order(start: int, window: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Chunk:
-    """Prompt columns [start, stop) fed as one chunk, preceded by ``pad`` padding columns (static width only)."""
+    """Prompt columns [start, stop) fed as one chunk, preceded by ``pad`` padding columns (static width only); its
+    lookahead tail (rule 3b) is columns [tail_start, tail_stop) after ``tail_pad`` padding columns (none: empty)."""
 
     start: int
     stop: int
     pad: int = 0
+    tail_start: int = 0
+    tail_stop: int = 0
+    tail_pad: int = 0
+
+    @property
+    def has_tail(self) -> bool:
+        return self.tail_stop > self.tail_start
 
     @property
     def n_real(self) -> int:
@@ -115,7 +130,8 @@ class CachePlan:
     ``evicting=False``: a full cache, ``budgets`` are then the capacities and ``window`` is 0.
     ``chunk``: the prefill chunk width (None = the caller feeds the prompt at once); ``static_chunk``: the
     width is fixed (graphs), so a short last chunk is front-padded to it (rule 2). ``bucketed``: a full cache
-    held in buckets of :meth:`slots_for` slots (rule 7).
+    held in buckets of :meth:`slots_for` slots (rule 7). ``lookahead``: tail columns observing each earlier chunk
+    (rule 3b; 0 = a chunk observes itself).
     """
 
     budgets: tuple[int, ...]
@@ -124,6 +140,7 @@ class CachePlan:
     chunk: int | None = None
     static_chunk: bool = False
     bucketed: bool = False
+    lookahead: int = 0
 
     def __post_init__(self):
         if not self.budgets or min(self.budgets) < 1:
@@ -132,16 +149,20 @@ class CachePlan:
             raise BadUsage(f"window {self.window} must be >= 1 when a press evicts")
         if self.chunk is not None and self.chunk < 1:
             raise BadUsage(f"chunk {self.chunk} must be >= 1")
+        if self.lookahead < 0 or (self.lookahead and not self.evicting):
+            raise BadUsage(f"lookahead {self.lookahead} must be >= 0, and only an evicting cache observes")
         if self.bucketed and (self.evicting or len(set(self.budgets)) > 1):
             raise BadUsage("only a full cache with one capacity for every layer is held in buckets")
 
     @classmethod
-    def for_press(cls, evicting: bool, budgets, window: int, chunk: int | None = None) -> "CachePlan":
+    def for_press(cls, evicting: bool, budgets, window: int, chunk: int | None = None,
+                  lookahead: int = 0) -> "CachePlan":
         """The plan of a cache made with or without a press: ``budgets`` kept and ``window`` decode slots (evicting),
-        or a full cache of ``budgets + window`` slots that never evicts (its window then 0)."""
+        or a full cache of ``budgets + window`` slots that never evicts (its window then 0). ``lookahead``: the
+        prompt's last columns that observe each earlier chunk (rule 3b; evicting only, ignored without a press)."""
         budgets = tuple(int(b) for b in budgets)
         if evicting:
-            return cls(budgets, int(window), True, chunk)
+            return cls(budgets, int(window), True, chunk, lookahead=int(lookahead))
         return cls(capacities(budgets, window), 0, False, chunk)
 
     @classmethod
@@ -150,7 +171,8 @@ class CachePlan:
         evicting = settings.get("press") is not None
         budgets = settings["budgets"] if evicting else settings["capacities"]
         return cls(tuple(int(b) for b in budgets), int(settings["window"]) if evicting else 0, evicting,
-                   int(settings["chunk"]), static_chunk=True, bucketed=bool(settings.get("dynamic_capacity")))
+                   int(settings["chunk"]), static_chunk=True, bucketed=bool(settings.get("dynamic_capacity")),
+                   lookahead=int(settings.get("lookahead") or 0))
 
     @property
     def num_layers(self) -> int:
@@ -173,6 +195,11 @@ class CachePlan:
         out = [Chunk(s, min(s + C, n_columns)) for s in range(0, n_columns, C)]
         if self.static_chunk and out[-1].n_real < C:
             out[-1] = Chunk(out[-1].start, out[-1].stop, C - out[-1].n_real)
+        L = int(self.lookahead)
+        if L:  # rule 3b: every chunk but the last is observed by the prompt's last columns after it
+            out = [replace(c, tail_start=max(c.stop, n_columns - L), tail_stop=n_columns,
+                           tail_pad=L - (n_columns - max(c.stop, n_columns - L)) if self.static_chunk else 0)
+                   if c.stop < n_columns else c for c in out]
         return out
 
     def check_fits(self, n_columns: int, new_tokens: int = 0) -> None:

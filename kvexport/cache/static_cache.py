@@ -118,12 +118,12 @@ class LayerCache:
         v, vs = encode(v_new, self.fmt)
         return k, v, ks, vs
 
-    def _keep(self, press, k, v, pos, queries, q_positions, stored) -> None:
+    def _keep(self, press, k, v, pos, queries, q_positions, stored, own_observers: bool = True) -> None:
         """Candidates [occupied ; new] -> the best budget in slots [0, budget) (rules 3 and 5). k, v: what the press
         scores; ``stored``: the same candidates as stored, or None when that is k, v themselves."""
         n = k.shape[2]
-        got = keep_best(press, self.ctx.inputs(self.budget), k, v, pos, queries, q_positions, n, 0, n, self.budget,
-                        self.budget, topk=self._topk(), stored=stored)
+        got = keep_best(press, self.ctx.inputs(self.budget, own_observers), k, v, pos, queries, q_positions, n, 0, n,
+                        self.budget, self.budget, topk=self._topk(), stored=stored)
         kk, kv, kp = got[:3]
         ks, vs = got[3:] if stored is not None else (None, None)
         self._write(0, kk, kv, ks, vs, kp)
@@ -146,8 +146,10 @@ class LayerCache:
 
         return topk
 
-    def prefill(self, press, fill: int, compacts: bool, k_new, v_new, new_pos, q_score, q_positions) -> None:
-        """Rule 3. A chunk: k_new, v_new (B, Hc, T, D), new_pos (B, Hc, T), q_score (B, Hq, T, Dq), q_positions (B, T);
+    def prefill(self, press, fill: int, compacts: bool, k_new, v_new, new_pos, q_score, q_positions,
+                own_observers: bool = True) -> None:
+        """Rule 3. A chunk: k_new, v_new (B, Hc, T, D), new_pos (B, Hc, T), q_score (B, Hq, Q, Dq), q_positions (B, Q):
+        the observation, the chunk's own queries or (``own_observers=False``) its lookahead tail's (rule 3b);
         ``fill`` / ``compacts``: this layer's entry of the plan's prefill step. With a lossy format the press scores
         the chunk's rows before they are stored (in full precision) and the occupied slots as stored."""
         rows = self._encode(k_new, v_new)
@@ -162,7 +164,7 @@ class LayerCache:
         if self.lossy:
             stored = tuple(None if a is None else torch.cat([a, b], dim=2)
                            for a, b in zip(self.stored(fill), rows, strict=True))
-        self._keep(press, k, v, pos, q_score, q_positions, stored)
+        self._keep(press, k, v, pos, q_score, q_positions, stored, own_observers)
 
     def append(self, slot: int, query_slot: int | None, k_new, v_new, new_pos, q_score, q_positions) -> None:
         """Rule 4: one decode token at ``slot``, its query at ring slot ``query_slot`` (None: no ring)."""

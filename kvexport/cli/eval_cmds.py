@@ -131,6 +131,9 @@ def presses_cmd(
         "", help='Press settings as JSON, per press name, e.g. \'{"expected_attention": {"n_future_positions": 32}}\'.'
     ),
     quick: bool = typer.Option(False, "--quick", help="8 windows, P=128, F=16 (minutes on a CPU)."),
+    text: str = typer.Option("code", help="Held-out text: code (the Python standard library's held-out split, "
+                             "what the bundled models were trained on) or prose (the Python documentation's "
+                             "held-out English pages: for a pretrained model)."),
     out: Path = typer.Option(Path("."), help=OUT_HELP),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
 ) -> None:
@@ -140,7 +143,7 @@ def presses_cmd(
     from rich.console import Console
 
     from kvexport.errors import BadUsage
-    from kvexport.eval.data import heldout_windows
+    from kvexport.eval.data import heldout_windows, prose_windows
     from kvexport.eval.plots import plot_press_study
     from kvexport.eval.press_study import STUDY_PRESSES, PressStudy, press_study
     from kvexport.mla.io import load_decoder
@@ -170,7 +173,9 @@ def presses_cmd(
     if tok is None:
         raise BadUsage(f"{model_path} has no tokenizer; the study tokenizes held-out text with the model's own")
     decoder, _ = load_decoder(model_path)
-    wins = heldout_windows(tok, windows, prompt_len + future_len + 1)
+    if text not in ("code", "prose"):
+        raise BadUsage(f"--text {text!r} is not one of: code, prose")
+    wins = (heldout_windows if text == "code" else prose_windows)(tok, windows, prompt_len + future_len + 1)
     t0 = time.perf_counter()
     total = len(study.presses) * len(study.ratios) * -(-wins.shape[0] // batch)
     done = [0]
@@ -183,7 +188,8 @@ def presses_cmd(
     result["model"] = Path(model_path).name
     result["command"] = f"kvexport eval presses {model_path} --ratios {ratios} --presses {','.join(study.presses)} " + (
         "--quick" if quick else f"--windows {windows} --prompt-len {prompt_len} --future-len {future_len}") + (
-        f" --press-kwargs '{press_kwargs}'" if press_kwargs else "")
+        f" --press-kwargs '{press_kwargs}'" if press_kwargs else "") + (f" --text {text}" if text != "code" else "")
+    result["text"] = text
     result["quick"] = quick
     result["wall_s"] = time.perf_counter() - t0
     json_path, png_path = _paths(out, "presses", model_path, quick)

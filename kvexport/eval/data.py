@@ -80,6 +80,49 @@ def heldout_windows(tokenizer, n: int, length: int, offset: int = 0) -> torch.Te
     return torch.stack([stream[i * length : (i + 1) * length] for i in idx.tolist()])
 
 
+#: English prose for real models: the Python documentation's topic pages (``pydoc_data.topics``, in every CPython);
+#: a page is calibration text iff the first byte of ``sha256(name)`` is below :data:`PROSE_CALIB_BYTE` (≈25 %), the
+#: rest is held out
+PROSE_CALIB_BYTE = 64
+
+
+def prose_pages(split: str = "heldout") -> list[str]:
+    """The Python documentation's topic pages (English prose with some code), ``heldout`` or ``calibration``,
+    sorted by page name. Every CPython installation carries them, so they need no download."""
+    from pydoc_data.topics import topics
+
+    if split not in ("heldout", "calibration"):
+        raise ValueError(f"split {split!r} is not heldout or calibration")
+    names = sorted(topics)
+    calib = {n for n in names if hashlib.sha256(n.encode()).digest()[0] < PROSE_CALIB_BYTE}
+    return [topics[n] for n in names if (n in calib) == (split == "calibration")]
+
+
+def prose_stream(tokenizer, split: str = "heldout") -> torch.Tensor:
+    """(N,) int64: :func:`prose_pages` tokenized and concatenated, pages separated by a blank line."""
+    key = (id(tokenizer), split)
+    hit = _PROSE.get(key)
+    if hit is not None and hit[0] is tokenizer:
+        return hit[1]
+    ids = tokenizer("\n\n".join(prose_pages(split)), add_special_tokens=False)["input_ids"]
+    stream = torch.tensor(ids, dtype=torch.long)
+    _PROSE[key] = (tokenizer, stream)
+    return stream
+
+
+_PROSE: dict[tuple[int, str], tuple[object, torch.Tensor]] = {}
+
+
+def prose_windows(tokenizer, n: int, length: int) -> torch.Tensor:
+    """(n', length) int64, n' <= n: non-overlapping windows spread evenly over the held-out prose."""
+    stream = prose_stream(tokenizer)
+    total = stream.numel() // length
+    if total == 0 or n < 1:
+        return stream.new_zeros(0, length)
+    idx = torch.linspace(0, total - 1, min(n, total)).long()
+    return torch.stack([stream[i * length : (i + 1) * length] for i in idx.tolist()])
+
+
 def train_tokens(tokenizer, n_tokens: int, seed: int = 0) -> torch.Tensor:
     """(>= n_tokens,) int64 from the *train* split (for distillation): train files in a seeded random order,
     each as ``bos text eos``, concatenated until ``n_tokens`` are reached (or the split runs out)."""

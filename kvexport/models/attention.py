@@ -9,6 +9,8 @@ cache, a decode step, left padding (position -1), and the presses' attention est
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -95,6 +97,8 @@ def attention(q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos, scaling
     cache whose length is a symbolic dimension (a bucketed full cache, traced with a dynamic capacity axis) is
     read as two parts: its size is not known when the graph is made.
     """
+    if _FUSED_EAGER and _eager() and q.dtype == torch.float32 and k_past.dtype == q.dtype:
+        return _attention_eager(q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos, scaling, sliding_window)
     if not isinstance(k_past.shape[2], torch.SymInt) and k_past.shape[2] == 0:
         return attention_over_parts(q, [(k_new, v_new, pos_new)], q_pos, scaling, sliding_window)
     if reads_in_parts(k_past, v_past):
@@ -103,6 +107,49 @@ def attention(q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos, scaling
     out, _ = grouped_attention(q, torch.cat([k_past, k_new], dim=2), torch.cat([v_past, v_new], dim=2), q_pos,
                                torch.cat([pos_past, pos_new], dim=2), scaling, sliding_window=sliding_window)
     return out
+
+
+#: whether eager float32 attention runs through torch's fused kernel (:func:`fused_eager_attention`); off by default
+_FUSED_EAGER = False
+
+
+@contextlib.contextmanager
+def fused_eager_attention(on: bool = True):
+    """Within this block, eager float32 attention runs through ``scaled_dot_product_attention``
+    (:func:`_attention_eager`): 2-3x faster on a CPU at 4k-token caches, equal to the traced forms to rounding
+    (1e-7), but not bit for bit. The studies and the sweep turn it on; the library path, the validation reference
+    and everything compared with an export keep the traced forms, whose rounding the exports share (a cache stored
+    in int8 turns a 1e-7 difference into a code apart, and at a near tie into another kept token)."""
+    global _FUSED_EAGER
+    before, _FUSED_EAGER = _FUSED_EAGER, bool(on)
+    try:
+        yield
+    finally:
+        _FUSED_EAGER = before
+
+
+def _eager() -> bool:
+    """Not being traced or exported (the graphs carry the two forms of :func:`attention` above)."""
+    return not (torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.compiler.is_exporting())
+
+
+def _attention_eager(q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos, scaling, sliding_window):
+    """:func:`attention` run eagerly (the library path, studies, the validation reference): the same softmax by
+    torch's fused ``scaled_dot_product_attention``, the rule of :func:`visible` as an additive bias of
+    ``finfo.min`` (so a query that sees no key averages uniformly, as :func:`grouped_attention` does). 2-3x faster
+    on a CPU at 4k-token caches; equal to the traced forms to rounding (1e-7)."""
+    B, Hq, T, Dk = q.shape
+    Hc = k_new.shape[1]
+    k = torch.cat([k_past, k_new], dim=2)
+    v = torch.cat([v_past, v_new], dim=2)
+    S = k.shape[2]
+    vis = visible(q_pos, torch.cat([pos_past, pos_new], dim=2), sliding_window)  # (B, Hc, T, S)
+    bias = torch.where(vis, 0.0, torch.finfo(torch.float32).min)
+    # one (batch, KV head) per SDPA batch entry, its G query heads sharing one key head and one bias: no G copies
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.reshape(B * Hc, Hq // Hc, T, Dk), k.reshape(B * Hc, 1, S, Dk), v.reshape(B * Hc, 1, S, v.shape[-1]),
+        attn_mask=bias.reshape(B * Hc, 1, T, S), scale=scaling, enable_gqa=Hq != Hc)
+    return out.reshape(B, Hq, T, v.shape[-1])
 
 
 def attention_over_parts(q, parts, q_pos, scaling: float, sliding_window: int | None = None) -> torch.Tensor:

@@ -117,11 +117,13 @@ class Decoder(nn.Module):
             raise BadModel(f"weights do not match the {spec.family} layout: no value for {left[:3]}")
         return dec.eval()
 
-    def new_cache(self, batch: int, press, budgets: int | list[int], window: int, chunk: int | None = None) -> StaticCache:
+    def new_cache(self, batch: int, press, budgets: int | list[int], window: int, chunk: int | None = None,
+                  lookahead: int = 0) -> StaticCache:
         """A :class:`StaticCache` on this model's device/dtype, per-layer capacity ``budget + window``.
 
         With a press the cache evicts (``budget`` kept, ``window`` decode slots and observation queries); with
         ``press=None`` nothing is ever evicted and ``budget + window`` is a hard capacity (kvexport.cache.plan).
+        ``lookahead``: the prompt's last columns that observe each earlier chunk (plan rule 3b; press only).
         """
         L = self.spec.num_layers
         if isinstance(budgets, int):
@@ -131,7 +133,7 @@ class Decoder(nn.Module):
         if window < (1 if press is not None else 0):
             raise BadUsage(f"window {window} must be >= 1")
         evicting = press is not None
-        plan = CachePlan.for_press(evicting, budgets, window, chunk)
+        plan = CachePlan.for_press(evicting, budgets, window, chunk, lookahead)
         p = next(self.parameters())
         layers = []
         for i, layer in enumerate(self.layers):
@@ -147,16 +149,23 @@ class Decoder(nn.Module):
 
     # ----------------------------------------------------------------- running
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache | None = None,
-                mode: str = "prefill", output_hidden: bool = False):
+                mode: str = "prefill", output_hidden: bool = False, tail_ids: torch.Tensor | None = None,
+                tail_positions: torch.Tensor | None = None):
         """Run T tokens through every layer; the cache follows the rules of :mod:`kvexport.cache.plan`.
 
         mode "prefill": a chunk of T prompt columns joins the cache (compacted to the budget where it
         overflows). mode "decode": one token per row (T = 1); when a layer is full, all are compacted.
         With ``cache=None`` the tokens attend only to themselves (a plain forward).
-        Returns logits (B, T, V) (and the final hidden states (B, T, H) with ``output_hidden``).
+        ``tail_ids`` / ``tail_positions`` (B, L), prefill only: the chunk's lookahead tail (plan rule 3b): run after
+        the chunk at its own positions, never stored, observing the chunk when it compacts.
+        Returns logits (B, T, V) of the chunk (and the final hidden states (B, T, H) with ``output_hidden``).
         """
-        h = self.embed_tokens(input_ids)
         B, T = input_ids.shape
+        if tail_ids is not None:
+            if cache is None or mode != "prefill" or cache.press is None:
+                raise BadUsage("a lookahead tail observes a prefill chunk of an evicting cache")
+            input_ids = torch.cat([input_ids, tail_ids], dim=1)
+        h = self.embed_tokens(input_ids)
         if cache is None:
             for layer in self.layers:
                 attn = layer.self_attn
@@ -177,13 +186,17 @@ class Decoder(nn.Module):
             fills = step.slots
         else:
             raise BadUsage(f"mode {mode!r} is not one of: prefill, decode")
+        all_positions = positions if tail_ids is None else torch.cat([positions, tail_positions], dim=1)
         for i, layer in enumerate(self.layers):
             attn, lc = layer.self_attn, cache.layers[i]
-            h, k_new, v_new, q_pre = layer(h, positions, *lc.view(fills[i]))
-            new_pos = positions[:, None, :].expand(B, k_new.shape[1], T)
+            h, k_new, v_new, q_pre = layer(h, all_positions, *lc.view(fills[i]))
             q_score = attn.score_queries(q_pre) if cache.press is not None else None
+            if tail_ids is not None:  # the chunk's rows join the cache, the tail's queries observe (rule 3b)
+                k_new, v_new, q_score = k_new[:, :, :T], v_new[:, :, :T], q_score[:, :, T:]
+            new_pos = positions[:, None, :].expand(B, k_new.shape[1], T)
             if mode == "prefill":
-                lc.prefill(cache.press, fills[i], step.compacts[i], k_new, v_new, new_pos, q_score, positions)
+                lc.prefill(cache.press, fills[i], step.compacts[i], k_new, v_new, new_pos, q_score,
+                           positions if tail_ids is None else tail_positions, own_observers=tail_ids is None)
             else:
                 lc.append(fills[i], step.query_slot if cache.press is not None else None, k_new, v_new, new_pos,
                           q_score, positions)
@@ -191,6 +204,6 @@ class Decoder(nn.Module):
             cache.end_prefill(step)
         else:
             cache.end_decode(step)
-        h = self.norm(h)
+        h = self.norm(h[:, :T])
         logits = self.lm_head(h)
         return (logits, h) if output_hidden else logits

@@ -20,12 +20,14 @@ class ScoreContext:
     num_layers: int
     sliding_window: int | None = None
 
-    def inputs(self, n_keep: int):
-        """-> make_inputs(k, v, pos, queries, q_positions) for :func:`~kvexport.cache.candidates.keep_best`."""
+    def inputs(self, n_keep: int, observers_are_candidates: bool = True):
+        """-> make_inputs(k, v, pos, queries, q_positions) for :func:`~kvexport.cache.candidates.keep_best`.
+        ``observers_are_candidates=False``: a lookahead tail observes (kvexport.cache.plan rule 3b)."""
         def make(k, v, pos, queries, q_positions):
             return ScoreInputs(keys=k, values=v, positions=pos, queries=queries, query_positions=q_positions,
                                rotary=self.rotary, scaling=self.scaling, layer_idx=self.layer_idx,
-                               num_layers=self.num_layers, n_keep=n_keep, sliding_window=self.sliding_window)
+                               num_layers=self.num_layers, n_keep=n_keep, sliding_window=self.sliding_window,
+                               observers_are_candidates=observers_are_candidates)
 
         return make
 

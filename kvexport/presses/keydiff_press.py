@@ -22,6 +22,7 @@ from kvexport.presses.base import ScoreInputs, ScorerPress
 @dataclass
 class KeyDiffPress(ScorerPress):
     name: ClassVar[str] = "keydiff"
+    observes: ClassVar[bool] = False  # no observation queries: a lookahead tail has nothing to say
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         """-> (B, Hc, S) = -cos(k_j, anchor)."""

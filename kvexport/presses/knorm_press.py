@@ -19,6 +19,7 @@ from kvexport.presses.base import ScoreInputs, ScorerPress
 @dataclass
 class KnormPress(ScorerPress):
     name: ClassVar[str] = "knorm"
+    observes: ClassVar[bool] = False  # no observation queries: a lookahead tail has nothing to say
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         """-> (B, Hc, S) = -||k_j||."""

@@ -28,6 +28,7 @@ from kvexport.presses.observation import observation_probs, query_valid
 class OptimalPress(ScorerPress):
     future: dict = field(default_factory=dict, repr=False)
     name: ClassVar[str] = "optimal"
+    observes: ClassVar[bool] = False  # no observation queries: a lookahead tail has nothing to say
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         """-> (B, Hc, S): mean attention of the real future queries, mean over the GQA group."""

@@ -23,6 +23,7 @@ from kvexport.presses.base import ScoreInputs, ScorerPress
 class RandomPress(ScorerPress):
     seed: int | None = None
     name: ClassVar[str] = "random"
+    observes: ClassVar[bool] = False  # no observation queries: a lookahead tail has nothing to say
 
     def __post_init__(self):
         super().__post_init__()

@@ -45,16 +45,18 @@ class SnapKVPress(ScorerPress):
         return int(self.window_size)
 
     def observation_window(self, inputs: ScoreInputs) -> torch.Tensor:
-        """w (B,) int64: how many of the last candidates observe (and are kept), per row."""
+        """w (B,) int64: how many of the last observation queries observe, per row (and, when they are the last
+        candidates' own, how many of those are kept)."""
         return inputs.n_real_queries.clamp(max=int(self.window_size))
 
     def window_scores(self, inputs: ScoreInputs) -> torch.Tensor:
-        """-> (B, Hc, S): pooled window attention of the candidates before the window, the window on top."""
+        """-> (B, Hc, S): pooled window attention of the candidates before the window, the window on top (a
+        lookahead tail observes from outside the candidates: then nothing is a window)."""
         w = self.observation_window(inputs)  # (B,)
         last = min(int(self.window_size), inputs.queries.shape[2])  # static: the observers are among these
         probs = observation_probs(inputs, last=last)  # (B, Hc, G, last, S); padding queries are zero rows
         B, Hc, G, _, S = probs.shape
-        window = last_candidates(inputs, w)  # (B, 1, S)
+        window = last_candidates(inputs, w if inputs.observers_are_candidates else 0)  # (B or 1, 1, S)
         attn = probs.sum(-2) / w.clamp(min=1).float()[:, None, None, None]  # (B, Hc, G, S)
         attn = attn.masked_fill(window[:, :, None, :], 0.0)
         k = int(self.kernel_size)

@@ -24,6 +24,7 @@ from kvexport.presses.base import ScoreInputs, ScorerPress
 class StreamingLLMPress(ScorerPress):
     n_sink: int = 4
     name: ClassVar[str] = "streaming_llm"
+    observes: ClassVar[bool] = False  # no observation queries: a lookahead tail has nothing to say
 
     def always_kept(self) -> int:
         return self.n_sink

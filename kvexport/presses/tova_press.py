@@ -32,4 +32,4 @@ class TOVAPress(ScorerPress):
         probs = observation_probs(inputs, last=1)[..., 0, :]  # (B, Hc, G, S)
         B, Hc, G, S = probs.shape
         scores = probs.reshape(B, Hc * G, S).mean(1, keepdim=True).expand(B, Hc, S)
-        return keep_always(scores, last_candidates(inputs, 1), inputs.valid)
+        return keep_always(scores, last_candidates(inputs, 1 if inputs.observers_are_candidates else 0), inputs.valid)

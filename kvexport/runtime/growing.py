@@ -87,7 +87,9 @@ class GrowingPast(Driver):
         reserve = None if new_tokens is None else N + int(new_tokens) - 1
         self._hold_past(max(N, int(reserve or 0)), exact=bool(reserve))
 
-    def prefill_chunk(self, ids: np.ndarray, positions: np.ndarray, chunk: Chunk):
+    def prefill_chunk(self, ids: np.ndarray, positions: np.ndarray, chunk: Chunk, tail=None):
+        if tail is not None:
+            raise BadUsage("a growing past never evicts, so no lookahead tail observes it (kvexport.cache.plan rule 3b)")
         return self._run(ids, positions), False
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray):

@@ -288,9 +288,13 @@ class GraphHost(Driver):
                 arr[...] = -1
         rows.state.reset()
 
-    def _prefill_chunk(self, rows: Rows, ids: np.ndarray, pos: np.ndarray, chunk: Chunk) -> tuple[np.ndarray, bool]:
+    def _prefill_chunk(self, rows: Rows, ids: np.ndarray, pos: np.ndarray, chunk: Chunk,
+                       tail=None) -> tuple[np.ndarray, bool]:
         """Rule 3 on one chunk: the prefill graph, then its real columns written at ``fill``, or ``compact_prefill``
-        where a layer overflows its budget."""
+        where a layer overflows its budget. The graphs take no lookahead tail (rule 3b): one is refused."""
+        if tail is not None:
+            raise BadUsage("this export's graphs take no lookahead tail (kvexport.cache.plan rule 3b); the PyTorch "
+                           "path (kvexport.generation.generate(lookahead=...)) observes with one")
         step = rows.state.prefill(chunk.n_real)
         new = self.graphs.call("prefill", self._feeds("prefill", input_ids=ids, positions=pos),
                                self._inputs(rows, "prefill"), {**rows.staging, "logits": rows.logits})
@@ -349,8 +353,8 @@ class GraphHost(Driver):
     def start(self, mask: np.ndarray, new_tokens: int | None) -> None:
         self._start(self.rows, mask, new_tokens)
 
-    def prefill_chunk(self, ids, positions, chunk: Chunk):
-        return self._prefill_chunk(self.rows, ids, positions, chunk)
+    def prefill_chunk(self, ids, positions, chunk: Chunk, tail=None):
+        return self._prefill_chunk(self.rows, ids, positions, chunk, tail)
 
     def decode(self, tokens, positions):
         return self._decode(self.rows, tokens, positions)

@@ -3,7 +3,7 @@
 
 :class:`Stream` is a batch of prompts in flight on a step driver (:mod:`kvexport.runtime.protocol`): it numbers the
 prompt's positions (plan rule 1), feeds it chunk by chunk with a short last chunk front-padded where the driver's
-chunk width is static (rule 2), then one decode step per call at each row's next position, and names every
+chunk width is static (rule 2), each earlier chunk with its lookahead tail where the plan has one (rule 3b), then one decode step per call at each row's next position, and names every
 compaction (``"prefill:<chunk>"``, ``"decode:<step>"``). :func:`generate` runs a stream to the end greedily (or
 teacher-forced), which is what ``kvexport generate``, validation, the profiler, the studies and the benchmarks
 call; the server steps one stream per slot, its decoding slots together (:func:`decode_together`).
@@ -108,7 +108,13 @@ class Stream:
         B, pad = self._ids.shape[0], chunk.pad
         ids = np.concatenate([np.zeros((B, pad), np.int64), self._ids[:, chunk.start:chunk.stop]], axis=1)
         pos = np.concatenate([np.full((B, pad), -1, np.int64), self.positions[:, chunk.start:chunk.stop]], axis=1)
-        logits, compacted = self.driver.prefill_chunk(ids, pos, chunk)
+        tail = None
+        if chunk.has_tail:  # rule 3b: the prompt's last columns observe this chunk, front-padded to a static width
+            tp = chunk.tail_pad
+            tail = (np.concatenate([np.zeros((B, tp), np.int64), self._ids[:, chunk.tail_start:chunk.tail_stop]], 1),
+                    np.concatenate([np.full((B, tp), -1, np.int64),
+                                    self.positions[:, chunk.tail_start:chunk.tail_stop]], 1))
+        logits, compacted = self.driver.prefill_chunk(ids, pos, chunk, tail)
         if compacted:
             self._compacted(f"prefill:{index}")
         if self._chunks:

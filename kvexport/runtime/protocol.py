@@ -39,9 +39,12 @@ class StepDriver(Protocol):
         """Empty the cache for a prompt with attention mask ``mask`` (B, N) (left padded) that will be followed by
         ``new_tokens`` tokens (None: unknown; a full cache may size or bucket itself by it)."""
 
-    def prefill_chunk(self, ids: np.ndarray, positions: np.ndarray, chunk: Chunk) -> tuple[Any, bool]:
+    def prefill_chunk(self, ids: np.ndarray, positions: np.ndarray, chunk: Chunk,
+                      tail: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[Any, bool]:
         """Feed one prompt chunk (B, ``chunk.width``), front-padded as the plan says (id 0, position -1) ->
-        (logits (B, V) of its last column, whether the cache was compacted)."""
+        (logits (B, V) of its last column, whether the cache was compacted). ``tail``: where the plan has a lookahead
+        (rule 3b), the ids and positions (B, ``chunk.tail_pad`` + its columns) of the prompt's last columns, which
+        observe the chunk and are not stored; None otherwise."""
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray) -> tuple[Any, bool]:
         """One token per row, ``tokens`` (B,) at ``positions`` (B,) -> (its logits (B, V), whether the cache was

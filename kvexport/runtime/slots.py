@@ -138,8 +138,8 @@ class SlotDriver(Driver):
     def start(self, mask, new_tokens):
         self.host._start(self.rows, mask, new_tokens)
 
-    def prefill_chunk(self, ids, positions, chunk):
-        return self.host._prefill_chunk(self.rows, ids, positions, chunk)
+    def prefill_chunk(self, ids, positions, chunk, tail=None):
+        return self.host._prefill_chunk(self.rows, ids, positions, chunk, tail)
 
     def decode(self, tokens, positions):
         return self.host._decode(self.rows, tokens, positions)

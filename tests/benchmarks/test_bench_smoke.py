@@ -76,10 +76,11 @@ KV_BYTES_16K = {
 @pytest.mark.parametrize("row", list(ROWS))
 @pytest.mark.parametrize("shape", ["student", "llama1b"])
 def test_kv_bytes_by_hand(row, shape):
-    """rows.Shape.kv_bytes (kvexport.cache.memory) against the numbers written out above."""
+    """rows.Shape.kv_bytes (kvexport.cache.memory) against the numbers written out above (fp32; llama.cpp's
+    cache is fp16, half)."""
     s, r = SHAPES[shape], ROWS[row]
     kind = {(False, False): "full", (False, True): "press", (True, False): "mla", (True, True): "mla_press"}
-    assert s.kv_bytes(r, 16384) == KV_BYTES_16K[shape][kind[r.mla, r.press is not None]]
+    assert s.kv_bytes(r, 16384) == KV_BYTES_16K[shape][kind[r.mla, r.press is not None]] * r.kv_dtype_bytes // 4
     if r.mla:
         assert s.mla_ratio() == pytest.approx(6.4)
 

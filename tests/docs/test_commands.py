@@ -46,6 +46,8 @@ FAST = {
 #: (pattern matched against a command, why it does not run here)
 SKIP = [
     (r"^pip install", "installs packages: the test environment is that installation"),
+    (r"^kvexport get smollm2", "downloads the real model: tests/real/conftest.py gets it (CI fetches it first)"),
+    (r"^kvexport convert \S+\.gguf", "converts the real model: tests/real/test_smollm2.py converts it from its GGUF"),
     (r"^python -m pytest", "the test suite itself"),
     (r"^(cmake|trtexec|/usr/src/tensorrt)", "builds or runs TensorRT plugins/engines: needs CUDA and TensorRT"),
     (r"--backend tensorrt|build-engine|kvexport\.tensorrt|scripts/gpu_check", "needs TensorRT and an NVIDIA GPU"),
