@@ -23,9 +23,9 @@ import torch
 from kvexport.cache.quant import FP8_VALUES
 from kvexport.convert.config import DEFAULT_BUDGET, DEFAULT_CHUNK, DEFAULT_WINDOW, showcase_mla
 from kvexport.export import OrtGenerator, export_model, verify_manifest
-from kvexport.export.source import press_from_dict
 from kvexport.export.parity import LOSSY_CACHE_TOLERANCES, TOLERANCES, tolerances
 from kvexport.export.reference import load_reference_model, reference_generate
+from kvexport.export.source import press_from_dict
 from kvexport.export.validation import validate
 from kvexport.paths import DEFAULT_MODEL
 from kvexport.presses import make_press
