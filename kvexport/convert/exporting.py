@@ -32,8 +32,13 @@ def converted_job(st, in_memory: bool = True) -> tuple[Any, Path, dict[str, Any]
         model, source = st.mla_decoder, mla_dir
     else:  # written by the rewrite (or distill) stage
         model, source = mla_dir, None
-    press = cfg.press if cfg.uses_press else None
-    kw = dict(press=press, budget=cfg.budget if press else None, window=cfg.window if press else 32, chunk=cfg.chunk,
+    press = None
+    if cfg.uses_press:
+        from kvexport.presses import make_press
+
+        press = make_press(cfg.press, budget=cfg.budget, neighbors=int(cfg.neighbors or 0))
+    kw = dict(press=press, budget=None, window=cfg.window if press else 32, chunk=cfg.chunk,
+              lookahead=int(cfg.lookahead or 0) if press else 0,
               dtype="fp16" if cfg.fp16 else "fp32", ops="custom", force=False, max_positions=cfg.max_positions,
               kv_dtype=cfg.kv_dtype, source=source, tokenizer_dir=st.model_path, original=st.model_path)
     return model, st.work / layout.ONNX_DIR, kw

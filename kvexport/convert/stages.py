@@ -21,7 +21,7 @@ from typing import Any
 
 from kvexport import layout
 from kvexport.atomic import rebase_paths
-from kvexport.convert.config import ConvertConfig, default_rope_dim, showcase_mla
+from kvexport.convert.config import ConvertConfig, default_budget, default_rope_dim
 from kvexport.convert.pipeline import Pipeline, Stage, StageRecord, StageSkipped
 from kvexport.errors import BadUsage, MissingBackend, ParityFailure
 
@@ -70,14 +70,15 @@ def resolve_settings(cfg: ConvertConfig) -> tuple[ConvertConfig, Path, Any]:
     from kvexport.models.loading import check_model_dir
     from kvexport.profile.run import model_spec
 
+    budget_given = cfg.budget is not None
     cfg.resolve()
     model_path = Path(resolve_model(cfg.model)).resolve()
     # convert.json names what the user gave: a .gguf file is resolved to its cached directory again on a rerun
     cfg.model = str(Path(cfg.model).resolve()) if is_gguf(cfg.model or "") else str(model_path)
     check_model_dir(model_path)
     spec = model_spec(model_path)
-    if cfg.showcase_defaults:
-        cfg.mla_rank, cfg.rope_dim = showcase_mla(spec)
+    if cfg.uses_press and not budget_given:  # the default budget fits the model's positions
+        cfg.budget = default_budget(spec.max_position_embeddings)
     if cfg.uses_mla:
         if cfg.rope_dim is None:
             cfg.rope_dim = default_rope_dim(spec.head_dim)
@@ -139,6 +140,50 @@ def stage_load(st: ConvertState) -> str:
     st.notes["parameters"] = int(n)
     st.notes["weight_bytes"] = int(size)  # in the checkpoint's dtype
     return f"{st.spec.family}, {st.spec.num_layers} layers, {n / 1e6:.2f}M parameters"
+
+
+def stage_choose(st: ConvertState) -> str:
+    """--choose: the smallest cache that meets the targets on calibration text (kvexport.convert.choose), applied to
+    the settings; every candidate tried, its numbers and why it was kept or dropped go to DIR/choice.json and
+    convert.json. Nothing meeting the targets fails the conversion, naming the closest candidate."""
+    from kvexport.convert.choose import Targets, choose
+
+    cfg = st.cfg
+    targets = Targets(min_agreement=0.90 if cfg.min_agreement is None else cfg.min_agreement,
+                      max_ppl_increase=0.10 if cfg.max_ppl_increase is None else cfg.max_ppl_increase,
+                      min_recall=0.90 if cfg.min_recall is None else cfg.min_recall)
+    ctx = int(st.spec.max_position_embeddings)
+    context = cfg.choose_context or min(4096, ctx // 2)
+    if context > ctx:
+        raise BadUsage(f"--choose-context {context} exceeds the model's {ctx} positions")
+    say = st.progress or (lambda _m: None)
+    choice = choose(st.model_path, targets, context=context, positions=min(8192, ctx), window=cfg.window,
+                    chunk=cfg.chunk, log=lambda m: say(m.strip()))
+    record = choice.to_dict()
+    _write_json(st.work / layout.CHOICE_JSON, record)
+    st.notes["choice"] = record
+    if choice.chosen is None:
+        near = min(choice.trail, key=lambda r: len(r["misses"]), default=None)
+        why = "" if near is None else f"; closest: {near['family']} at budget {near['budget']} ({'; '.join(near['misses'])})"
+        raise ParityFailure(f"--choose: no candidate met the targets at {context} tokens{why}; nothing was written "
+                            "(loosen a target: --min-agreement, --max-ppl-increase, --min-recall)")
+    c = choice.chosen
+    cfg.press = c["press"] or "none"
+    cfg.budget = c["budget"]
+    cfg.neighbors = c["neighbors"] if c["press"] else None
+    cfg.lookahead = c["lookahead"] if c["press"] else None
+    if cfg.lookahead:
+        from kvexport.presses import PRESSES
+
+        cfg.lookahead = cfg.lookahead if PRESSES[c["press"]].observes else 0
+    cfg.kv_dtype = c["kv_dtype"]
+    if not c["press"]:
+        cfg.window = None
+    # convert.json then reproduces the chosen conversion itself (the search is recorded beside it)
+    cfg.choose, cfg.min_recall, cfg.choose_context = False, None, None
+    return (f"{c['family']}" + (f", budget {c['budget']}" if c["budget"] else "")
+            + f": {c['resident_bytes'] / 2**20:.1f} MiB at {min(8192, ctx)} tokens, agreement {c['agreement']:.1%}, "
+            f"ppl +{c['ppl_increase']:.1%}; {len(choice.trail)} candidates in {choice.seconds:.0f} s")
 
 
 def stage_rewrite(st: ConvertState) -> str:
@@ -329,6 +374,8 @@ def convert_json(st: ConvertState, records: list[StageRecord]) -> dict[str, Any]
         "stages": [r.to_dict() for r in records],
         "reproduce": "kvexport convert --config DIR/convert.json --out NEW_DIR",
     }
+    if "choice" in st.notes:
+        out["choice"] = st.notes["choice"]
     if "distill" in st.notes:
         out["distill"] = st.notes["distill"]
     if "mla_ranks" in st.notes:
@@ -357,6 +404,7 @@ def run_convert(cfg: ConvertConfig, out: str | Path, force: bool = False, consol
         st = ConvertState(cfg=cfg, model_path=model_path, work=Path(tmp), spec=spec, out=out)
         stages = [
             Stage("load", lambda: stage_load(st)),
+            Stage("choose", lambda: stage_choose(st), cfg.choose, "no --choose"),
             Stage("rewrite", lambda: stage_rewrite(st), cfg.uses_mla, "no MLA (eviction is applied in the export)"),
             Stage("distill", lambda: stage_distill(st), cfg.distills, "no --distill-teacher"),
             Stage("export", lambda: stage_export(st)),
