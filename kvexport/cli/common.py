@@ -58,3 +58,7 @@ def cache_summary(resident: dict[str, int]) -> str:
     kv, scales = resident["kv"] / 1024, resident.get("scales", 0) / 1024
     parts = f" (K/V {kv:.1f} + scales {scales:.1f})" if scales else ""
     return f"cache {kv + scales:.1f} KiB{parts}, {resident['total'] / 1024:.1f} KiB resident"
+
+NEIGHBORS_HELP = "A kept token keeps this many neighbours on each side (ScorerPress.neighbors; 0: the press's own ranking)."
+LOOKAHEAD_HELP = ("The prompt's last L tokens observe every earlier prefill chunk (kvexport.cache.plan rule 3b; 0: each "
+                  "chunk observes itself). A press that observes, with --chunk.")

@@ -10,7 +10,7 @@ import typer
 
 from kvexport.cache.plan import DEFAULT_WINDOW
 from kvexport.cli.app import app
-from kvexport.cli.common import PRESS_HELP
+from kvexport.cli.common import LOOKAHEAD_HELP, NEIGHBORS_HELP, PRESS_HELP
 from kvexport.models.gguf import resolve_model
 
 
@@ -22,6 +22,8 @@ def export_cmd(
     press: str = typer.Option("none", help=PRESS_HELP + " Not exportable: random, optimal."),
     budget: Optional[int] = typer.Option(None, help="Tokens kept per layer and cache head after each compaction."),
     window: int = typer.Option(DEFAULT_WINDOW, help="Decode slots appended before the next compaction (capacity = budget + window)."),
+    neighbors: int = typer.Option(0, "--neighbors", help=NEIGHBORS_HELP),
+    lookahead: int = typer.Option(0, "--lookahead", help=LOOKAHEAD_HELP),
     mla_rank: Optional[int] = typer.Option(None, "--mla-rank", help="Rewrite to MLA with this latent rank r_kv first."),
     rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help="MLA decoupled RoPE width d_rope (default 32)."),
     batch: int = typer.Option(1, help="Static batch size of the graphs."),
@@ -54,10 +56,14 @@ def export_cmd(
     console = _stderr()
     with StepProgress(console, f"exporting {out}") as p:
         kw = {"progress": p.callback} if p.callback else {}
-        path = export_model(resolve_model(model), out, press=press, budget=budget, window=window, mla_rank=mla_rank,
+        from kvexport.presses import build_press
+
+        p_obj = build_press(press, budget, None, neighbors) if neighbors else press
+        path = export_model(resolve_model(model), out, press=p_obj, budget=budget, window=window, mla_rank=mla_rank,
                             rope_dim=rope_dim, batch=batch, chunk=chunk, dtype=dtype, ops=ops,
                             dynamic_cache=dynamic_cache, force=force, max_positions=max_positions,
-                            decode_batch=decode_batch, kv_dtype=kv_dtype, inplace_decode=inplace_decode, **kw)
+                            decode_batch=decode_batch, kv_dtype=kv_dtype, inplace_decode=inplace_decode,
+                            lookahead=lookahead, **kw)
     files = ", ".join(sorted(read_manifest(path)["files"]))
     stdout_console().print(f"exported to {path} in {p.elapsed:.1f}s: {files}", highlight=False)
 

@@ -71,7 +71,7 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
                  force: bool = False, max_positions: int | None = None, source: str | Path | None = None,
                  tokenizer_dir: str | Path | None = None, original: str | Path | None = None,
                  decode_batch: int | None = None, progress=None, kv_dtype: str | None = None,
-                 inplace_decode: bool = False) -> Path:
+                 inplace_decode: bool = False, lookahead: int = 0) -> Path:
     """Export ``model`` to ``out_dir`` (written atomically; see the module docstring for the layout).
 
     model: HF model directory, ``.gguf`` file (:mod:`kvexport.models.gguf`), in-memory HF ``*ForCausalLM``, or a
@@ -87,6 +87,9 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
     inplace_decode: also a ``decode_inplace.ort.onnx`` for onnxruntime on the CPU: the decode step through
     onnxruntime's GroupQueryAttention over the cache buffers, writing the token's slot in place (GQA models, the
     cache in the model's dtype; TensorRT ignores the file and runs ``decode.onnx``);
+    lookahead: the prompt's last L columns observe every earlier prefill chunk (kvexport.cache.plan rule 3b): the
+    prefill graph takes C + L columns and ``compact_prefill_tail.onnx`` compacts a chunk its tail observes (a press
+    that observes only);
     dtype "fp32"/"fp16"; ops "custom" (kvexport nodes backed
     by local functions) or "standard" (the functions inlined). Returns the output directory.
     source: for an in-memory ``model``, the directory its reference model lives in (an HF or saved MLA
@@ -150,6 +153,14 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
             raise BadUsage(f"--budget {p.budget} must exceed the {p.always_kept()} tokens {p.name} always keeps")
     else:  # full static cache: capacity = --max-positions (default: the position range, at most 8192)
         budgets = [int(max_positions or min(limit, 8192))] * L
+    lookahead = int(lookahead or 0)
+    if lookahead < 0:
+        raise BadUsage(f"--lookahead {lookahead} must be >= 0")
+    if lookahead and (p is None or not p.observes):
+        raise BadUsage("--lookahead needs a press that scores with observation queries (snapkv, tova, "
+                       f"expected_attention, ...); {'no press' if p is None else p.name} has none to give")
+    if lookahead and chunk + lookahead > max_pos:
+        raise BadUsage(f"--chunk {chunk} + --lookahead {lookahead} exceed the model's position range ({max_pos})")
     window_eff = int(window) if p is not None else 0
     # a full cache larger than the smallest bucket: the graphs take its capacity axis as a dynamic dimension and
     # the runtime holds it in buckets (kvexport.cache.plan rule 7); static budgets keep fixed shapes
@@ -161,7 +172,7 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
         "decode_batch": int(decode_batch) if decode_batch is not None else None,
         "window": window_eff, "budgets": budgets if p is not None else None,
         "capacities": list(capacities(budgets, window_eff)) if not dynamic_cache else None,
-        "dynamic_capacity": dynamic_capacity, "inplace_decode": bool(inplace_decode),
+        "dynamic_capacity": dynamic_capacity, "inplace_decode": bool(inplace_decode), "lookahead": lookahead,
         "press": press_to_dict(p), "mla": mla, "dtype": dtype, "kv_dtype": kv_dtype, "ops": opsel,
         "opset": ops_mod.OPSET,
         "custom_domain": {ops_mod.DOMAIN: ops_mod.OP_VERSION} if custom else None,
@@ -180,7 +191,7 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
             files["model"] = _export_dynamic(dec, tmp, batch, td, custom)
         else:
             files.update(_export_static(dec, p, budgets, window_eff, batch, chunk, td, custom, tmp, say, decode_batch,
-                                        kv_dtype, dynamic_capacity, inplace_decode))
+                                        kv_dtype, dynamic_capacity, inplace_decode, lookahead))
         settings["graphs"] = files
         tok_src = Path(tokenizer_dir) if tokenizer_dir is not None else _tokenizer_source(model, src)
         if tok_src is not None:
@@ -223,14 +234,15 @@ def _capacity_axis(shapes: list[graphs.LayerShape]) -> tuple[list[graphs.LayerSh
 
 def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: Path, say,
                    decode_batch: int | None = None, kv_dtype: str | None = None,
-                   dynamic_capacity: bool = False, inplace_decode: bool = False) -> dict[str, Any]:
+                   dynamic_capacity: bool = False, inplace_decode: bool = False,
+                   lookahead: int = 0) -> dict[str, Any]:
     shapes = graphs.layer_shapes(dec, budgets, window, kv_dtype)
     L = len(shapes)
     wq = press is not None
     kv, new = graphs.kv_names(shapes), graphs.new_names(shapes, wq)
     traced, dyn = _capacity_axis(shapes) if dynamic_capacity else (shapes, None)
     cache = kv_examples(traced, batch, td)
-    n_graphs = (4 if wq else 2) + (decode_batch is not None) + bool(inplace_decode)
+    n_graphs = (4 if wq else 2) + bool(lookahead) + (decode_batch is not None) + bool(inplace_decode)
     files: dict[str, Any] = {}
 
     weights = SharedWeights(tmp)
@@ -241,25 +253,37 @@ def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: P
         m, used = _export_graph(module.eval(), args, inputs, outputs, custom, weights, dynamic_shapes=dynamic)
         files[name] = {"file": file, "external_data": weights.save(m, tmp / file, used), **_io(m)}
 
-    ids = torch.zeros(batch, chunk, dtype=torch.long)
-    pos = torch.arange(chunk).expand(batch, chunk).contiguous()
-    prefill = graphs.PrefillChunk(dec, press, budgets, window, kv_dtype)
+    Lt = int(lookahead)
+    ids = torch.zeros(batch, chunk + Lt, dtype=torch.long)
+    pos = torch.arange(chunk + Lt).expand(batch, chunk + Lt).contiguous()
+    prefill = graphs.PrefillChunk(dec, press, budgets, window, kv_dtype, lookahead=Lt)
     new_prefill = graphs.new_names(shapes, wq, prefill.full_rows)
-    export("prefill", prefill, (ids, pos, *cache), ["input_ids", "positions"] + kv, ["logits"] + new_prefill, 1, dyn)
+    tails = [f"q_tail_{i}" for i in range(L)] if Lt else []
+    export("prefill", prefill, (ids, pos, *cache), ["input_ids", "positions"] + kv, ["logits"] + new_prefill + tails,
+           1, dyn)
+    ids, pos = ids[:, :chunk], pos[:, :chunk].contiguous()
     ids1 = torch.zeros(batch, 1, dtype=torch.long)
     pos1 = torch.full((batch, 1), chunk, dtype=torch.long)
     export("decode", graphs.DecodeStep(dec, press, budgets, window, kv_dtype), (ids1, pos1, *cache),
            ["input_ids", "positions"] + kv, ["logits"] + new, 2, dyn)
     if wq:
         with torch.no_grad():
-            chunk_rows = prefill(ids, pos, *cache)[1:]
+            full_pos = torch.arange(chunk + Lt).expand(batch, chunk + Lt).contiguous()
+            outs = prefill(torch.zeros(batch, chunk + Lt, dtype=torch.long), full_pos, *cache)[1:]
+        chunk_rows, tail_q = outs[:len(new_prefill)], outs[len(new_prefill):]
         fill, one = torch.full((L,), 1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
         export("compact_prefill", graphs.CompactPrefill(dec, press, budgets, window, kv_dtype),
                (fill, one, pos, *cache, *chunk_rows), ["fill", "n_pad", "positions"] + kv + new_prefill,
                graphs.kv_names(shapes, "kept_"), 3)
+        if Lt:
+            tail_pos = full_pos[:, chunk:].contiguous()
+            export("compact_prefill_tail", graphs.CompactPrefillTail(dec, press, budgets, window, kv_dtype),
+                   (fill, one, pos, tail_pos, *cache, *chunk_rows, *tail_q),
+                   ["fill", "n_pad", "positions", "tail_positions"] + kv + new_prefill + tails,
+                   graphs.kv_names(shapes, "kept_"), 4)
         export("compact", graphs.Compact(dec, press, budgets, window, kv_dtype),
                (fill, one, *cache, *query_examples(shapes, batch, window, td)),
-               ["fill", "query_start"] + kv + graphs.query_names(L), graphs.kv_names(shapes, "kept_"), 4)
+               ["fill", "query_start"] + kv + graphs.query_names(L), graphs.kv_names(shapes, "kept_"), 4 + bool(Lt))
     if inplace_decode:
         slots = torch.zeros(L, batch, dtype=torch.int32)
         export("decode_inplace", graphs.InPlaceDecodeStep(dec, press, budgets, window, kv_dtype),

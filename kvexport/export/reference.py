@@ -22,7 +22,8 @@ def reference_kwargs(settings: dict, press) -> dict:
     kvd = {"kv_dtype": settings["kv_dtype"]} if settings.get("kv_dtype") else {}
     if press is None:
         return {"press": None, "chunk": int(settings["chunk"]), "capacity": int(min(settings["capacities"])), **kvd}
-    return {"press": press, "window": int(settings["window"]), "chunk": int(settings["chunk"]), **kvd}
+    look = {"lookahead": int(settings["lookahead"])} if settings.get("lookahead") else {}
+    return {"press": press, "window": int(settings["window"]), "chunk": int(settings["chunk"]), **kvd, **look}
 
 
 def reference_generate(decoder, settings: dict, press, ids, mask, n_new: int, forced=None, tie_break=None):

@@ -39,6 +39,7 @@ NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 #: the host inputs each graph may declare (a graph wanting another one was made by another kvexport version)
 FEEDS = {"prefill": {"input_ids", "positions"}, "decode": {"input_ids", "positions"},
          "decode_batch": {"input_ids", "positions"}, "compact_prefill": {"fill", "n_pad", "positions"},
+         "compact_prefill_tail": {"fill", "n_pad", "positions", "tail_positions"},
          "compact": {"fill", "query_start"}, "decode_inplace": {"input_ids", "positions", "slots"}}
 
 
@@ -127,11 +128,16 @@ class GraphHost(Driver):
         self._ring = [(f"qbuf_{i}", f"q_new_{i}") for i in range(len(self.layers))]
 
     def _chunk_shapes(self) -> dict:
-        """The prefill graph's row outputs for one chunk of C columns (a lossy cache's also kf_new_i ...)."""
-        C = int(self.settings["chunk"])
+        """The prefill graph's row outputs for one chunk of C columns (a lossy cache's also kf_new_i ...), and with
+        a lookahead its tail's queries ``q_tail_i`` (B, Hq, L, Dq)."""
+        C, L = int(self.settings["chunk"]), int(self.plan.lookahead)
         wanted = set(self.settings["graphs"]["prefill"]["outputs"])
-        return {n: ((*shape[:2], C, *shape[3:]), dt) for n, (shape, dt) in {**self.step_shapes,
-                                                                            **self.full_shapes}.items() if n in wanted}
+        out = {n: ((*shape[:2], C, *shape[3:]), dt) for n, (shape, dt) in {**self.step_shapes,
+                                                                           **self.full_shapes}.items() if n in wanted}
+        for i in range(len(self.layers) if L else 0):
+            shape, dt = self.step_shapes[f"q_new_{i}"]
+            out[f"q_tail_{i}"] = ((*shape[:2], L, *shape[3:]), dt)
+        return out
 
     def _io_plan(self, graph: str) -> tuple[list[str], list[str], frozenset[str]]:
         """What a call of ``graph`` binds, worked out once per graph: its array inputs (cache buffers or new rows),
@@ -139,7 +145,7 @@ class GraphHost(Driver):
         plan = self._io_plans.get(graph)
         if plan is None:
             g = self.settings["graphs"][graph]
-            arrays = [n for n in g["inputs"] if n in self.shapes or "_new_" in n]
+            arrays = [n for n in g["inputs"] if n in self.shapes or "_new_" in n or n.startswith("q_tail_")]
             host = frozenset(n for n in g["inputs"] if n not in arrays)
             plan = self._io_plans[graph] = (arrays, list(g["outputs"]), host)
         return plan
@@ -291,18 +297,28 @@ class GraphHost(Driver):
     def _prefill_chunk(self, rows: Rows, ids: np.ndarray, pos: np.ndarray, chunk: Chunk,
                        tail=None) -> tuple[np.ndarray, bool]:
         """Rule 3 on one chunk: the prefill graph, then its real columns written at ``fill``, or ``compact_prefill``
-        where a layer overflows its budget. The graphs take no lookahead tail (rule 3b): one is refused."""
-        if tail is not None:
-            raise BadUsage("this export's graphs take no lookahead tail (kvexport.cache.plan rule 3b); the PyTorch "
-                           "path (kvexport.generation.generate(lookahead=...)) observes with one")
+        where a layer overflows its budget. With a lookahead (rule 3b) the graph takes the chunk and its ``tail``
+        (ids, positions (B, L), front-padded; the prompt's last chunk gets a tail of padding), and a compaction the
+        tail observes runs ``compact_prefill_tail``."""
+        L = int(self.plan.lookahead)
+        if tail is not None and not L:
+            raise BadUsage("this export's graphs take no lookahead tail (kvexport.cache.plan rule 3b): export it "
+                           "with --lookahead")
+        feed_ids, feed_pos = ids, pos
+        if L:
+            B = ids.shape[0]
+            t_ids, t_pos = tail if tail is not None else (np.zeros((B, L), np.int64), np.full((B, L), -1, np.int64))
+            feed_ids, feed_pos = np.concatenate([ids, t_ids], 1), np.concatenate([pos, t_pos], 1)
         step = rows.state.prefill(chunk.n_real)
-        new = self.graphs.call("prefill", self._feeds("prefill", input_ids=ids, positions=pos),
+        new = self.graphs.call("prefill", self._feeds("prefill", input_ids=feed_ids, positions=feed_pos),
                                self._inputs(rows, "prefill"), {**rows.staging, "logits": rows.logits})
         if step.any_compaction:
-            kept = self.graphs.call("compact_prefill",
-                                    self._feeds("compact_prefill", fill=np.array(step.fills, np.int64),
-                                                n_pad=np.array([chunk.pad], np.int64), positions=pos),
-                                    self._inputs(rows, "compact_prefill", new), {})
+            graph = "compact_prefill_tail" if tail is not None else "compact_prefill"
+            kept = self.graphs.call(graph,
+                                    self._feeds(graph, fill=np.array(step.fills, np.int64),
+                                                n_pad=np.array([chunk.pad], np.int64), positions=pos,
+                                                tail_positions=None if tail is None else tail[1]),
+                                    self._inputs(rows, graph, new), {})
             self._write_kept(rows, kept)
         else:
             for i, f in enumerate(step.fills):

@@ -37,8 +37,7 @@ class SlotBank(GraphHost):
         self.bank = {n: self._array((R, *shape[1:]), dt, self._empty(n)) for n, (shape, dt) in self.shapes.items()}
         self.bank_out = {n: self._array((R, *shape[1:]), dt) for n, (shape, dt) in self.step_shapes.items()}
         self.bank_out["logits"] = self._array((R, V), self.dtype)
-        C = int(s["chunk"])
-        staging = {n: self._array((*shape[:2], C, *shape[3:]), dt) for n, (shape, dt) in self._chunk_shapes().items()}
+        staging = {n: self._array(shape, dt) for n, (shape, dt) in self._chunk_shapes().items()}
         self._slots = [SlotDriver(self, r, Rows({n: self._row(a, r) for n, a in self.bank.items()},
                                                 {n: self._row(a, r) for n, a in self.bank_out.items()},
                                                 CacheState(self.plan), staging, persistent=False,
