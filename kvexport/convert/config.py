@@ -303,7 +303,7 @@ class ConvertConfig:
         if self.repeats < 1:
             raise BadUsage(f"--repeats {self.repeats} must be >= 1")
         kw = fidelity_kwargs(self.eval_data, self.min_agreement, self.max_ppl_increase, self.fidelity)
-        if set(kw) - {"fidelity"} and not self.validate:
+        if set(kw) - {"fidelity"} and not self.validate and not (self.choose and "eval_data" not in kw):
             raise BadUsage("--eval-data/--min-agreement/--max-ppl-increase are checked by the validate stage; "
                            "drop --no-validate")
         if self.model is not None and not Path(self.model).exists():

@@ -101,8 +101,11 @@ def cache_shape_of(d: Path, settings: dict[str, Any], spec) -> CacheShape:
         ms = man.get("settings") or {}
         if ms.get("mode") == "static" and ms.get("capacities"):
             capacity = int(max(ms["capacities"]))
+    kv_dtype = settings.get("kv_dtype")
+    if man is not None and (man.get("settings") or {}).get("kv_dtype"):
+        kv_dtype = man["settings"]["kv_dtype"]  # what the export stores (the convert setting, resolved)
     return CacheShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, ranks, rope, budget, window,
-                      2 if settings.get("fp16") else 4, capacity)
+                      2 if settings.get("fp16") else 4, capacity, kv_dtype=kv_dtype)
 
 
 def _pytorch_runners(d: Path, settings: dict[str, Any], shape: CacheShape, with_baseline: bool):

@@ -33,10 +33,10 @@ def test_every_file(converted, tiny_hf_dir):
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temporary directories left
     cj = json.loads((out / "convert.json").read_text())
     assert cj["settings"]["model"] == str(tiny_hf_dir.resolve())
-    assert [s["name"] for s in cj["stages"]] == ["load", "rewrite", "distill", "export", "engine", "validate",
-                                                  "profile", "report"]
+    assert [s["name"] for s in cj["stages"]] == ["load", "choose", "rewrite", "distill", "export", "engine",
+                                                  "validate", "profile", "report"]
     assert {s["name"]: s["status"] for s in cj["stages"]} == {
-        "load": "done", "rewrite": "done", "distill": "skipped", "export": "done", "engine": "skipped",
+        "load": "done", "choose": "skipped", "rewrite": "done", "distill": "skipped", "export": "done", "engine": "skipped",
         "validate": "done", "profile": "done", "report": "done"}
     assert cj["mla"] == {"kv_ranks": [16, 16], "rope_dim": 8}
 
