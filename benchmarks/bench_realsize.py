@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-STAGES = ("load", "rewrite", "distill", "export", "engine", "validate", "profile", "report")
+STAGES = ("load", "choose", "rewrite", "distill", "export", "engine", "validate", "profile", "report")
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,11 @@ and gives the same bytes on every run once node metadata (stack traces) is strip
 
 Layout of an export directory (static caches)::
 
-    prefill.onnx           a chunk of exactly C tokens over the cache -> logits and the chunk's new rows
+    prefill.onnx           a chunk of exactly C tokens over the cache -> logits and the chunk's new rows (with a
+                           lookahead L: C + L columns, the chunk then its tail -> also the tail's queries q_tail_i)
     decode.onnx            one token per row over the cache -> logits and its new rows (the host writes them)
     compact_prefill.onnx   a chunk's compaction: the best budget of [cache ; chunk] (absent without a press)
+    compact_prefill_tail.onnx  the same, observed by the chunk's lookahead tail (only with a lookahead)
     compact.onnx           decode-time compaction of every layer (absent without a press)
     weights.data   every graph's weights (initializers >= 1 KiB), each tensor once: the graphs share it by offset
     tokenizer/     the source model's tokenizer files, when it has them
