@@ -30,15 +30,36 @@ def serve_cmd(
                                              "directory's name)."),
     drain_timeout: float = typer.Option(30.0, "--drain-timeout", help="On SIGTERM/SIGINT, seconds the requests in "
                                         "flight may take to finish before they are cancelled."),
+    max_body_bytes: Optional[int] = typer.Option(None, "--max-body-bytes", help="Largest request body (413 beyond, "
+                                                 "refused before it is read). Default: 8 x --max-prompt-chars, at "
+                                                 "least 1 MiB."),
+    max_json_depth: int = typer.Option(32, "--max-json-depth", help="Deepest nesting of a JSON body (400 beyond, "
+                                       "refused before it is parsed)."),
+    max_prompt_tokens: Optional[int] = typer.Option(None, "--max-prompt-tokens", help="Most tokens in one prompt "
+                                                    "(400 context_length_exceeded beyond). Default: the context - 1."),
+    max_prompt_chars: Optional[int] = typer.Option(None, "--max-prompt-chars", help="Most characters in the prompts "
+                                                   "(or message contents) of one request, refused before tokenizing. "
+                                                   "Default: 16 x --max-prompt-tokens."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Most tokens one completion may ask for "
+                                             "(max_tokens). Default: the context, at most 4096."),
+    max_queue: int = typer.Option(1024, "--max-queue", help="Most sequences waiting for a slot (503 beyond)."),
+    max_queued_tokens: Optional[int] = typer.Option(None, "--max-queued-tokens", help="Most tokens (prompt + "
+                                                    "max_tokens) of the sequences waiting for a slot (503 beyond). "
+                                                    "Default: 64 x the context, at least 2**20."),
 ) -> None:
     """Serve the OpenAI completions and chat API (streaming and not), with in-flight batching over fixed-size
-    cache slots; GET /health, /v1/models and /metrics."""
+    cache slots; GET /health, /v1/models and /metrics. Every request is held to the limits below before its work
+    is done (docs/serve.md "Limits")."""
     from kvexport.errors import MissingBackend
 
     try:
         from kvexport.serve import serve
+        from kvexport.serve.limits import Limits
     except ImportError as e:
         raise MissingBackend(f"kvexport serve needs the serve extra ({e.name} is missing): "
                              "pip install 'kvexport[serve]'") from None
+    limits = Limits(max_body_bytes=max_body_bytes, max_json_depth=max_json_depth, max_prompt_tokens=max_prompt_tokens,
+                    max_prompt_chars=max_prompt_chars, max_tokens=max_tokens, max_queue=max_queue,
+                    max_queued_tokens=max_queued_tokens)
     return serve(directory, host=host, port=port, backend=backend, max_sequences=max_sequences, threads=threads,
-                 name=model_name, drain_timeout=drain_timeout, decode=decode)
+                 name=model_name, drain_timeout=drain_timeout, decode=decode, limits=limits)
