@@ -38,6 +38,18 @@ class ServerProcess:
             raise AssertionError(f"the server did not start: {self.banner}{self.log()}")
         self.url, self.port, self.pid = m.group(1), int(m.group(2)), self.proc.pid
 
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def client(self, timeout: float = 120):
+        """The ``openai`` client pointed at this server (no retries: a refusal is seen as it is)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
     def log(self) -> str:
         self._log.flush()
         return self.log_path.read_text()

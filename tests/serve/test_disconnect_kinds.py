@@ -24,9 +24,8 @@ KINDS = ["headers", "body", "at-once", "reset", "after-first-bytes", "half-close
 
 @pytest.fixture(scope="module")
 def server(export_dir, tmp_path_factory):
-    srv = ServerProcess(export_dir, "--max-sequences", "2", log_dir=tmp_path_factory.mktemp("disconnects"))
-    yield srv
-    srv.stop()
+    with ServerProcess(export_dir, "--max-sequences", "2", log_dir=tmp_path_factory.mktemp("disconnects")) as srv:
+        yield srv
 
 
 def leave(port: int, body: dict, kind: str) -> bool:

@@ -28,17 +28,16 @@ OK = {"model": "m", "prompt": "def f(", "max_tokens": 2, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def server(chat_dir, tmp_path_factory):
-    srv = ServerProcess(chat_dir, "--max-sequences", "1", "--max-body-bytes", str(BODY), "--max-json-depth",
+    with ServerProcess(chat_dir, "--max-sequences", "1", "--max-body-bytes", str(BODY), "--max-json-depth",
                         str(DEPTH), "--max-prompt-chars", str(CHARS), "--max-tokens", str(MAX_TOKENS), "--max-queue",
                         str(QUEUE), "--max-queued-tokens", str(QUEUED_TOKENS),
-                        log_dir=tmp_path_factory.mktemp("limits"))
-    yield srv
-    srv.stop()
+                        log_dir=tmp_path_factory.mktemp("limits")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return server.client()
 
 
 def refused(status_doc: tuple[int, dict], status: int, code: str, param=None) -> str:

@@ -59,14 +59,13 @@ BATTERY = [
 
 @pytest.fixture(scope="module")
 def server(chat_dir, tmp_path_factory):
-    srv = ServerProcess(chat_dir, log_dir=tmp_path_factory.mktemp("malformed"))
-    yield srv
-    srv.stop()
+    with ServerProcess(chat_dir, log_dir=tmp_path_factory.mktemp("malformed")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return server.client()
 
 
 def test_malformed_bodies_are_4xx_and_nothing_is_logged(server):

@@ -33,9 +33,8 @@ RSS_SLACK = 24 * 2**20
 
 @pytest.fixture(scope="module")
 def server(export_dir, tmp_path_factory):
-    srv = ServerProcess(export_dir, log_dir=tmp_path_factory.mktemp("load"))
-    yield srv
-    srv.stop()
+    with ServerProcess(export_dir, log_dir=tmp_path_factory.mktemp("load")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +78,7 @@ def stranger(srv: ServerProcess, kind: str) -> int:
         got = srv.send("/v1/completions", what)
         assert (got[0], got[1]["error"]["code"]) == (status, code), kind
         return got[0]
-    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    c = srv.client()
     with pytest.raises(openai.APIStatusError) as e:
         c.completions.create(model="m", prompt=what[0], max_tokens=what[1])
     assert (e.value.status_code, e.value.code) == (status, code), kind
@@ -90,7 +89,7 @@ def one(srv: ServerProcess, job, mode: str, rng: random.Random) -> tuple[int, li
     """(status, tokens received, complete) of one request: ``mode`` json, stream or leave (a stream dropped after
     a few chunks)."""
     prompt, m, _ = job
-    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    c = srv.client()
     kw = dict(model="m", prompt=prompt, max_tokens=m, temperature=0,
               extra_body={"return_token_ids": True, "ignore_eos": True})
     try:
