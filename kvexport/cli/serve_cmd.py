@@ -31,7 +31,7 @@ def serve_cmd(
     drain_timeout: float = typer.Option(30.0, "--drain-timeout", help="On SIGTERM/SIGINT, seconds the requests in "
                                         "flight may take to finish before they are cancelled."),
     max_body_bytes: Optional[int] = typer.Option(None, "--max-body-bytes", help="Largest request body (413 beyond, "
-                                                 "refused before it is read). Default: 8 x --max-prompt-chars, at "
+                                                 "refused before it is read). Default: 4 x --max-prompt-chars, at "
                                                  "least 1 MiB."),
     max_json_depth: int = typer.Option(32, "--max-json-depth", help="Deepest nesting of a JSON body (400 beyond, "
                                        "refused before it is parsed)."),
@@ -46,6 +46,8 @@ def serve_cmd(
     max_queued_tokens: Optional[int] = typer.Option(None, "--max-queued-tokens", help="Most tokens (prompt + "
                                                     "max_tokens) of the sequences waiting for a slot (503 beyond). "
                                                     "Default: 64 x the context, at least 2**20."),
+    max_requests: int = typer.Option(256, "--max-requests", help="Most completion requests in flight at once (being "
+                                     "read, waiting, generating or streaming); 503 beyond, before the body is read."),
 ) -> None:
     """Serve the OpenAI completions and chat API (streaming and not), with in-flight batching over fixed-size
     cache slots; GET /health, /v1/models and /metrics. Every request is held to the limits below before its work
@@ -60,6 +62,6 @@ def serve_cmd(
                              "pip install 'kvexport[serve]'") from None
     limits = Limits(max_body_bytes=max_body_bytes, max_json_depth=max_json_depth, max_prompt_tokens=max_prompt_tokens,
                     max_prompt_chars=max_prompt_chars, max_tokens=max_tokens, max_queue=max_queue,
-                    max_queued_tokens=max_queued_tokens)
+                    max_queued_tokens=max_queued_tokens, max_requests=max_requests)
     return serve(directory, host=host, port=port, backend=backend, max_sequences=max_sequences, threads=threads,
                  name=model_name, drain_timeout=drain_timeout, decode=decode, limits=limits)

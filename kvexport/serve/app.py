@@ -17,9 +17,10 @@ import json
 import time
 from contextlib import asynccontextmanager
 
+import anyio
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -27,7 +28,7 @@ from starlette.routing import Route
 from kvexport.serve import metrics as metrics_mod
 from kvexport.serve.engine import Engine, Event, Sequence
 from kvexport.serve.errors import APIError
-from kvexport.serve.limits import Limits, clip, decode_json, read_body
+from kvexport.serve.limits import PREPARE_THREADS, Limits, RequestGate, clip, decode_json, read_body
 from kvexport.serve.model import ServedModel
 from kvexport.serve.openai_api import Reply, chat_prompt, completion_prompts, sequences
 from kvexport.serve.schemas import ChatRequest, CompletionRequest, parse
@@ -40,14 +41,33 @@ class ErrorResponse(JSONResponse):
         return json.dumps(content, separators=(",", ":")).encode("ascii")
 
 
+class SequenceStream(StreamingResponse):
+    """A streamed answer that cancels its sequences however it ends, also when the client was gone before the
+    first event was sent (the event generator then never runs, nor its own clean-up)."""
+
+    def __init__(self, engine: Engine, seqs: list[Sequence], content, **kw):
+        super().__init__(content, **kw)
+        self.engine, self.seqs = engine, seqs
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self.seqs:
+                if s.state != "done":
+                    self.engine.cancel(s)
+
+
 def build_app(model: ServedModel, engine: Engine, limits: Limits) -> Starlette:
     """The ASGI app serving ``model`` through ``engine`` (started and stopped with the app's lifespan), refusing
     what passes ``limits`` (resolved: :meth:`Limits.resolve`) before doing the work."""
     created = int(time.time())
+    inflight = {"requests_in_flight": 0}  # kept by the RequestGate
     card = {"id": model.name, "object": "model", "created": created, "owned_by": "kvexport"}
 
     @asynccontextmanager
     async def lifespan(app):
+        app.state.preparing = anyio.CapacityLimiter(PREPARE_THREADS)
         loop = asyncio.get_running_loop()
         engine.publish = lambda events: loop.call_soon_threadsafe(_dispatch, events)
         if not engine.alive:
@@ -57,7 +77,7 @@ def build_app(model: ServedModel, engine: Engine, limits: Limits) -> Starlette:
 
     async def health(request: Request) -> Response:
         state = "draining" if app.state.draining else ("ok" if engine.alive else "engine stopped")
-        return JSONResponse({"status": state, "model": model.name, **engine.counts()},
+        return JSONResponse({"status": state, "model": model.name, **engine.counts(), **inflight},
                             status_code=200 if state == "ok" else 503)
 
     async def models(request: Request) -> Response:
@@ -71,7 +91,7 @@ def build_app(model: ServedModel, engine: Engine, limits: Limits) -> Starlette:
     async def metrics(request: Request) -> Response:
         import psutil
 
-        gauges = {**engine.counts(), "rss": psutil.Process().memory_info().rss}
+        gauges = {**engine.counts(), **inflight, "rss": psutil.Process().memory_info().rss}
         text = metrics_mod.render(engine.metrics, gauges, model.backend.resident_bytes())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
@@ -88,12 +108,10 @@ def build_app(model: ServedModel, engine: Engine, limits: Limits) -> Starlette:
             raw = await read_body(request, limits.max_body_bytes)
         except ClientDisconnect:  # the client left while sending: nobody reads an answer
             return Response(status_code=499)
-        req = parse(ChatRequest if chat else CompletionRequest, decode_json(raw, limits.max_json_depth))
+        # parsing and tokenizing (bounded by the limits) run beside the event loop, so the streams being served go
+        # on, PREPARE_THREADS at a time, so what waits is the bodies' bytes
+        req, seqs = await anyio.to_thread.run_sync(_prepare, raw, chat, limiter=app.state.preparing)
         del raw
-        if req.model != model.name:
-            raise _unknown_model(req.model)
-        # tokenizing (bounded by the limits) runs beside the event loop, so the streams being served go on
-        seqs = await run_in_threadpool(_prepare, req, chat)
         reply = Reply(model.name, chat, req.return_token_ids)
         queue: asyncio.Queue = asyncio.Queue()
         for i, s in enumerate(seqs):
@@ -101,8 +119,8 @@ def build_app(model: ServedModel, engine: Engine, limits: Limits) -> Starlette:
         _admit(seqs)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_stream(engine, reply, seqs, queue, usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return SequenceStream(engine, seqs, _stream(engine, reply, seqs, queue, usage),
+                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await _collect(request, engine, reply, seqs, queue)
 
     def _admit(seqs: list[Sequence]) -> None:
@@ -119,9 +137,13 @@ def build_app(model: ServedModel, engine: Engine, limits: Limits) -> Starlette:
                     f"slot hold {limits.max_queued_tokens:,} tokens", "stopped": "it is stopping"}[why]
             raise APIError(503, f"The server is overloaded ({what}); retry later.", "server_overloaded")
 
-    def _prepare(req, chat: bool) -> list[Sequence]:
+    def _prepare(raw: bytes, chat: bool):
+        """The body's bytes -> (the request, its sequences), or the refusal (an APIError)."""
+        req = parse(ChatRequest if chat else CompletionRequest, decode_json(raw, limits.max_json_depth))
+        if req.model != model.name:
+            raise _unknown_model(req.model)
         prompts = [chat_prompt(req, model, limits)] if chat else completion_prompts(req, model, limits)
-        return sequences(req, prompts, model, chat, limits)
+        return req, sequences(req, prompts, model, chat, limits)
 
     async def on_api_error(request: Request, exc: APIError) -> Response:
         if exc.status < 500:
@@ -142,6 +164,8 @@ def build_app(model: ServedModel, engine: Engine, limits: Limits) -> Starlette:
                             Route("/v1/completions", completions, methods=["POST"]),
                             Route("/v1/chat/completions", chat, methods=["POST"])],
                     exception_handlers={APIError: on_api_error, HTTPException: on_http_error, Exception: on_error},
+                    middleware=[Middleware(RequestGate, limit=limits.max_requests,
+                                           paths=("/v1/completions", "/v1/chat/completions"), counts=inflight)],
                     lifespan=lifespan)
     app.state.draining = False
     return app

@@ -3,7 +3,8 @@
 
 | limit | flag | default | refused with |
 |---|---|---|---|
-| request body | ``--max-body-bytes`` | 8 × the prompt characters, at least 1 MiB | 413 ``request_too_large``, from ``Content-Length`` before the body is read, else as soon as the bytes read pass it |
+| requests in flight | ``--max-requests`` | 256 | 503 ``server_overloaded`` before the body is read (:class:`RequestGate`) |
+| request body | ``--max-body-bytes`` | 4 × the prompt characters, at least 1 MiB | 413 ``request_too_large``, from ``Content-Length`` before the body is read, else as soon as the bytes read pass it |
 | JSON nesting | ``--max-json-depth`` | 32 | 400 ``invalid_json``, from a scan of the bytes before they are parsed |
 | prompt tokens | ``--max-prompt-tokens`` | the context - 1 | 400 ``context_length_exceeded``: first from a byte bound (a prompt of B UTF-8 bytes has at least ``ceil(B / L)`` tokens, L the longest vocabulary entry), before anything is tokenized; then exactly |
 | prompt characters | ``--max-prompt-chars`` | 16 × the prompt tokens | 400 ``prompt_too_long``: all prompts (or message contents) of one request together, before tokenizing |
@@ -30,6 +31,10 @@ from kvexport.serve.errors import APIError, bad_request
 
 DEFAULT_JSON_DEPTH = 32
 DEFAULT_MAX_QUEUE = 1024
+DEFAULT_MAX_REQUESTS = 256
+#: request bodies parsed and prompts tokenized at once (each may hold ~100 MB while it runs; the others wait with
+#: their bodies as bytes)
+PREPARE_THREADS = 2
 #: tokens of completion one request may ask for, at most (the context permitting)
 DEFAULT_MAX_TOKENS = 4096
 #: characters per prompt token the default character limit allows (English prose is ~4, code ~3)
@@ -51,12 +56,13 @@ class Limits:
     max_tokens: int | None = None
     max_queue: int = DEFAULT_MAX_QUEUE
     max_queued_tokens: int | None = None
+    max_requests: int = DEFAULT_MAX_REQUESTS
     #: the most UTF-8 bytes one token covers (None: no bound; set by :meth:`resolve`)
     token_bytes: int | None = None
 
     def __post_init__(self):
         for name in ("max_body_bytes", "max_json_depth", "max_prompt_tokens", "max_prompt_chars", "max_tokens",
-                     "max_queue", "max_queued_tokens"):
+                     "max_queue", "max_queued_tokens", "max_requests"):
             v = getattr(self, name)
             if v is not None and int(v) < 1:
                 raise BadUsage(f"--{name.replace('_', '-')} {v} must be >= 1")
@@ -70,7 +76,7 @@ class Limits:
         prompt = self.max_prompt_tokens or max(1, limit - 1)
         chars = self.max_prompt_chars or CHARS_PER_TOKEN * prompt
         return replace(self, max_prompt_tokens=prompt, max_prompt_chars=chars,
-                       max_body_bytes=self.max_body_bytes or max(2**20, 8 * chars),
+                       max_body_bytes=self.max_body_bytes or max(2**20, 4 * chars),
                        max_tokens=self.max_tokens or min(limit, DEFAULT_MAX_TOKENS),
                        max_queued_tokens=self.max_queued_tokens or max(2**20, 64 * limit),
                        token_bytes=token_bytes(tokenizer))
@@ -79,7 +85,8 @@ class Limits:
         """One line for the server's start."""
         return (f"limits: body {self.max_body_bytes:,} B, JSON depth {self.max_json_depth}, prompt "
                 f"{self.max_prompt_tokens:,} tokens / {self.max_prompt_chars:,} characters, max_tokens "
-                f"{self.max_tokens:,}, queue {self.max_queue} sequences / {self.max_queued_tokens:,} tokens")
+                f"{self.max_tokens:,}, queue {self.max_queue} sequences / {self.max_queued_tokens:,} tokens, "
+                f"{self.max_requests} requests in flight")
 
 
 def token_bytes(tokenizer) -> int | None:
@@ -97,6 +104,34 @@ def token_bytes(tokenizer) -> int | None:
                                   skip_special_tokens=False)
     longest = max(len(p.encode("utf-8", "replace")) for p in pieces) + 1
     return longest * (NORMALIZER_SLACK if backend.normalizer is not None else 1)
+
+
+# ---------------------------------------------------------------------------------------------- requests in flight
+class RequestGate:
+    """ASGI middleware: at most ``limit`` requests to ``paths`` in flight at once (their bodies read, parsed,
+    waiting for a slot, generating, streaming); one more is answered 503 ``server_overloaded`` at once, before its
+    body is read. Bounds what the requests being read and parsed can hold together: ``limit`` × the body limit.
+    ``counts["requests_in_flight"]`` is kept up to date (the server's metrics read it)."""
+
+    def __init__(self, app, limit: int, paths: tuple[str, ...], counts: dict):
+        self.app, self.limit, self.paths, self.counts = app, int(limit), paths, counts
+        counts["requests_in_flight"] = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.paths:
+            return await self.app(scope, receive, send)
+        if self.counts["requests_in_flight"] >= self.limit:
+            body = json.dumps(APIError(503, f"The server is overloaded ({self.limit} requests in flight, "
+                                       "--max-requests); retry later.", "server_overloaded").body()).encode()
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
+            await send({"type": "http.response.body", "body": body})
+            return None
+        self.counts["requests_in_flight"] += 1
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            self.counts["requests_in_flight"] -= 1
 
 
 # ---------------------------------------------------------------------------------------------- the request body
@@ -232,5 +267,5 @@ def clip(value, n: int = 80) -> str:
     return r if len(r) <= n else r[:n - 3] + "..."
 
 
-__all__ = ["Limits", "read_body", "decode_json", "json_depth", "check_text", "check_tokens", "check_max_tokens",
-           "token_bytes", "clip"]
+__all__ = ["Limits", "RequestGate", "read_body", "decode_json", "json_depth", "check_text", "check_tokens",
+           "check_max_tokens", "token_bytes", "clip"]

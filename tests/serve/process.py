@@ -76,6 +76,23 @@ class ServerProcess:
         c.close()
         return r.status, json.loads(raw)
 
+    def metrics(self) -> dict:
+        from kvexport.serve.metrics import parse
+
+        c = self.connect()
+        c.request("GET", "/metrics")
+        out = parse(c.getresponse().read().decode())
+        c.close()
+        return out
+
+    def until(self, cond, what: str, deadline: float = 60) -> dict:
+        """Poll the metrics until ``cond(metrics)`` holds (a bound on the wait, not a timing assertion)."""
+        end = time.monotonic() + deadline
+        while not cond(m := self.metrics()):
+            assert time.monotonic() < end, f"not {what} after {deadline} s: {m}"
+            time.sleep(0.05)
+        return m
+
     def health(self) -> dict:
         return self.send("/health", None, "GET")[1]
 
@@ -84,7 +101,7 @@ class ServerProcess:
         end = time.monotonic() + deadline
         while True:
             h = self.health()
-            if h["active_sequences"] == h["queued_sequences"] == h["queued_tokens"] == 0:
+            if h["active_sequences"] == h["queued_sequences"] == h["queued_tokens"] == h["requests_in_flight"] == 0:
                 return h
             assert time.monotonic() < end, f"still busy after {deadline} s: {h}"
             time.sleep(0.05)

@@ -21,7 +21,7 @@ def test_queue_limits_and_their_accounting(export_dir, tokenizer):
     assert engine.counts()["queued_tokens"] == 400 and engine.counts()["queued_sequences"] == 2
     assert engine.submit_all([seq(10)]) == "queue"  # a third would wait
     engine.step()  # a takes the only slot: its tokens leave the queue's count
-    assert (a.state, b.state) == ("prefill", "queued") and engine.counts()["queued_tokens"] == 296
+    assert a.state not in ("new", "queued") and b.state == "queued" and engine.counts()["queued_tokens"] == 296
     c = seq(300)
     assert engine.submit_all([c, seq(1)]) == "queue"  # all or none: c is not queued either
     assert c.state == "new" and engine.counts()["queued_tokens"] == 296
@@ -33,7 +33,7 @@ def test_queue_limits_and_their_accounting(export_dir, tokenizer):
     while a.state != "done":
         engine.step()
     engine.step()  # c takes the slot a left
-    assert c.state in ("prefill", "decode") and engine.counts() == {"active_sequences": 1, "queued_sequences": 0,
+    assert c.state not in ("new", "queued", "done") and engine.counts() == {"active_sequences": 1, "queued_sequences": 0,
                                                                     "queued_tokens": 0, "slots": 1}
     engine.stop()
     assert engine.submit_all([seq(1)]) == "stopped" and engine.counts()["queued_tokens"] == 0

@@ -14,7 +14,6 @@ import time
 
 import pytest
 
-from kvexport.serve.metrics import parse as parse_metrics
 from tests.serve.conftest import encode, reference
 from tests.serve.process import ServerProcess
 
@@ -58,23 +57,15 @@ def leave(port: int, body: dict, kind: str) -> bool:
         s.close()
 
 
-def metrics(server) -> dict:
-    c = server.connect()
-    c.request("GET", "/metrics")
-    out = parse_metrics(c.getresponse().read().decode())
-    c.close()
-    return out
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_every_kind_of_disconnect(server, solo, tokenizer, stream):
-    before = metrics(server)
+    before = server.metrics()
     arrived = 0
     for kind in KINDS:
         for _ in range(3):
             arrived += leave(server.port, {**LONG, "stream": stream}, kind)
     server.until_idle()
-    after = metrics(server)
+    after = server.metrics()
     ended = sum(after[f'kvexport_requests_total{{outcome="{o}"}}'] - before[f'kvexport_requests_total{{outcome="{o}"}}']
                 for o in ("ok", "cancelled"))
     assert ended == arrived

@@ -22,7 +22,7 @@ from kvexport.serve.limits import json_depth, token_bytes
 from tests.serve.conftest import MAX_POSITIONS
 from tests.serve.process import ServerProcess
 
-BODY, DEPTH, CHARS, MAX_TOKENS, QUEUE, QUEUED_TOKENS = 65536, 32, 1000, 64, 2, 600
+BODY, DEPTH, CHARS, MAX_TOKENS, QUEUE, QUEUED_TOKENS, REQUESTS = 65536, 32, 1000, 64, 2, 600, 2
 OK = {"model": "m", "prompt": "def f(", "max_tokens": 2, "temperature": 0}
 
 
@@ -30,7 +30,7 @@ OK = {"model": "m", "prompt": "def f(", "max_tokens": 2, "temperature": 0}
 def server(chat_dir, tmp_path_factory):
     with ServerProcess(chat_dir, "--max-sequences", "1", "--max-body-bytes", str(BODY), "--max-json-depth",
                         str(DEPTH), "--max-prompt-chars", str(CHARS), "--max-tokens", str(MAX_TOKENS), "--max-queue",
-                        str(QUEUE), "--max-queued-tokens", str(QUEUED_TOKENS),
+                        str(QUEUE), "--max-queued-tokens", str(QUEUED_TOKENS), "--max-requests", str(REQUESTS),
                         log_dir=tmp_path_factory.mktemp("limits")) as srv:
         yield srv
 
@@ -51,7 +51,8 @@ def refused(status_doc: tuple[int, dict], status: int, code: str, param=None) ->
 
 def test_the_banner_states_the_limits(server):
     assert (f"limits: body {BODY:,} B, JSON depth {DEPTH}, prompt {MAX_POSITIONS - 1} tokens / {CHARS:,} characters, "
-            f"max_tokens {MAX_TOKENS}, queue {QUEUE} sequences / {QUEUED_TOKENS} tokens") in server.banner
+            f"max_tokens {MAX_TOKENS}, queue {QUEUE} sequences / {QUEUED_TOKENS} tokens, {REQUESTS} requests in "
+            "flight") in server.banner
 
 
 def test_body_over_the_limit_is_413_before_it_is_read(server, client):
@@ -210,4 +211,26 @@ def test_requests_the_queue_could_never_hold(server):
     msg = refused(server.send("/v1/completions", {**OK, "prompt": ["a", "b", "c"]}), 400, "invalid_value", "prompt")
     assert f"3 prompts in one request; this server takes at most {QUEUE}" in msg
     assert server.until_idle()["queued_tokens"] == 0
+    server.assert_clean_log()
+
+
+def test_requests_in_flight(server):
+    """REQUESTS requests whose bodies never finish arriving are in flight for as long as their clients wait; one more
+    is refused at once, before its body is read; when one of them goes, the next is served."""
+    held = []
+    for _ in range(REQUESTS):
+        s = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"model\"")
+        held.append(s)
+    server.until(lambda m: m["kvexport_requests_in_flight"] == REQUESTS, "in flight")
+    status, doc = server.send("/v1/completions", OK)
+    assert status == 503 and doc["error"]["type"] == "server_overloaded", doc  # OpenAI's type, as a full queue's
+    assert f"{REQUESTS} requests in flight" in doc["error"]["message"]
+    assert server.health()["status"] == "ok"  # other routes are not held
+    held.pop().close()
+    server.until(lambda m: m["kvexport_requests_in_flight"] == REQUESTS - 1, "one gone")
+    status, doc = server.send("/v1/completions", OK)
+    assert status == 200 and doc["usage"]["completion_tokens"] == 2
+    for s in held:
+        s.close()
     server.assert_clean_log()
