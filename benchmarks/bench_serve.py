@@ -64,7 +64,7 @@ class Server:
     def __init__(self, export: Path, threads: int, slots: int, decode: str = "auto", backend: str = "onnxruntime"):
         cmd = [sys.executable, "-m", "kvexport", "serve", str(export), "--port", "0", "--model-name", "m",
                "--threads", str(threads), "--backend", backend, *(["--max-sequences", str(slots)] if slots else []),
-               *(["--decode", decode] if backend != "pytorch" else [])]
+               "--decode", decode]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, "PYTHONPATH": str(REPO)})
         line = self.proc.stdout.readline()

@@ -18,14 +18,15 @@ def serve_cmd(
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8000, help="TCP port (0: any free port, printed at start)."),
     backend: str = typer.Option("onnxruntime", help="onnxruntime, tensorrt (engines from `kvexport build-engine`) "
-                                "or pytorch (the reference decoder, one slot at a time)."),
+                                "or pytorch (kvexport's decoder, the export's source model; decode steps batched "
+                                "across the slots)."),
     max_sequences: Optional[int] = typer.Option(None, "--max-sequences", help="Sequences decoded at once, each in "
                                                 "its own fixed cache slot; more wait in a queue. Default: the "
                                                 "export's --decode-batch, else 4."),
     threads: Optional[int] = typer.Option(None, help="Intra-op threads of the backend (default: its own)."),
     decode: str = typer.Option("auto", help="With a decode_batch graph: auto (batched from the number of "
                                "sequences where it is faster, timed at start), batched, or rows (one call per "
-                               "sequence)."),
+                               "sequence). With --backend pytorch: rows, else one batched forward."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id of the API (default: the "
                                              "directory's name)."),
     drain_timeout: float = typer.Option(30.0, "--drain-timeout", help="On SIGTERM/SIGINT, seconds the requests in "

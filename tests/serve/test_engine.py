@@ -71,15 +71,24 @@ def test_slots_equal_solo_runs(export_dir, tokenizer, solo, decode):
     assert first_c - last_b == 3
 
 
-def test_pytorch_backend_equals_library_generate(export_dir, tokenizer):
+@pytest.mark.parametrize("decode", ["batched", "rows"], ids=["one-forward", "slot-by-slot"])
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
+def test_pytorch_backend_equals_library_generate(export_dir, mla_export_dir, tokenizer, decode, mla, monkeypatch):
+    """The PyTorch slots, decoded in one batched forward (kvexport.serve.backends.torch_slots.decode_rows: the rows
+    at different fills, compacting at different steps) or slot by slot, equal batch-1 generate on each prompt."""
     import torch
 
+    import kvexport.serve.backends.torch_slots as ts
     from kvexport.export.exporter import press_from_dict
     from kvexport.generation import generate
-    from kvexport.serve.backends.torch_slots import TorchSlots
 
-    backend = TorchSlots(export_dir, max_sequences=2)
+    backend = ts.TorchSlots(mla_export_dir if mla else export_dir, max_sequences=2, decode=decode)
+    assert backend.batched is (decode == "batched")
+    rows = []  # the rows of each batched forward
+    real = ts.decode_rows
+    monkeypatch.setattr(ts, "decode_rows", lambda dec, caches, *a: rows.append(len(caches)) or real(dec, caches, *a))
     seqs, _ = run(backend, tokenizer)
+    assert set(rows) == ({2} if decode == "batched" else set())
     s = backend.settings
     for q in seqs:
         ids = torch.tensor([q.prompt])
