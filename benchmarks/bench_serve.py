@@ -20,6 +20,13 @@ Phases, one run each:
 
 Targets (docs/serve.md): aggregate >= 4x one stream; RSS and cache bytes flat within +-5 %; no request lost.
 Writes ``serve_results.json`` and prints a Markdown table; no assertion fails the run (the numbers are the result).
+
+``--profile`` instead runs the engine in this process, without HTTP, and says where its time goes: one stream, then
+N, each sequence as above, the backend's calls timed (prefill chunks, decode steps: batched or slot by slot) and
+the rest of each tick (sampling, text, scheduling) as host time; tokens/s without HTTP beside the HTTP numbers of a
+normal run show what the server and client cost. ``--backend pytorch`` serves (or profiles) the PyTorch backend;
+``--slots`` sets ``--max-sequences`` apart from ``--streams`` (default: as many as streams; 0: the server's own
+default, the export's decode_batch or 4).
 """
 
 from __future__ import annotations
@@ -56,9 +63,10 @@ def build_export(cache: Path, budget: int, window: int, chunk: int, streams: int
 class Server:
     """``kvexport serve`` in a subprocess; ``host``/``port`` from its first line, ``pid`` for its RSS."""
 
-    def __init__(self, export: Path, threads: int, slots: int, decode: str = "auto"):
+    def __init__(self, export: Path, threads: int, slots: int, decode: str = "auto", backend: str = "onnxruntime"):
         cmd = [sys.executable, "-m", "kvexport", "serve", str(export), "--port", "0", "--model-name", "m",
-               "--max-sequences", str(slots), "--threads", str(threads), "--decode", decode]
+               "--threads", str(threads), "--backend", backend, *(["--max-sequences", str(slots)] if slots else []),
+               "--decode", decode]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, "PYTHONPATH": str(REPO)})
         line = self.proc.stdout.readline()
@@ -273,16 +281,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--backend", default="onnxruntime", help="the server's --backend (onnxruntime, pytorch)")
+    ap.add_argument("--slots", type=int, help="the server's --max-sequences (default: --streams; 0: the server's "
+                    "own default)")
+    ap.add_argument("--profile", action="store_true", help="the engine in this process, no HTTP: where the time "
+                    "goes (benchmarks/serve_profile.py)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/kvexport-bench-serve"))
     args = ap.parse_args(argv)
     args.streams = args.streams or (4 if args.quick else 16)
+    args.slots = args.streams if args.slots is None else args.slots
     args.requests = args.requests or (40 if args.quick else 500)
     args.sample_every = args.sample_every or (10 if args.quick else 50)
     from benchmarks.prepare import default_cache
 
     export = args.export or build_export(default_cache(), args.budget, args.window, args.chunk, args.streams)
     info = {**machine(), "loadavg_start": list(os.getloadavg())}
-    server = Server(export, args.threads, args.streams, args.decode)
+    if args.profile:
+        return run_profile(args, export, info)
+    server = Server(export, args.threads, args.slots, args.decode, args.backend)
     try:
         res = asyncio.run(bench(args, server))
     finally:
@@ -292,12 +308,29 @@ def main(argv: list[str] | None = None) -> int:
     if m:  # the most batching can give at the graph level: N rows in one call vs N calls of one row
         tb, n, t1 = float(m.group(1)), int(m.group(2)), float(m.group(3))
         res["graph_ceiling"] = {"decode_batch_ms": tb, "rows": n, "decode_ms": t1, "ratio": n * t1 / tb}
-    res["config"] = {"export": str(export), "streams": args.streams, "tokens": args.tokens, "prompt": args.prompt,
-                     "threads": args.threads, "decode": args.decode, "server": server.banner, "server_exit": rc}
+    res["config"] = {"export": str(export), "streams": args.streams, "slots": args.slots, "tokens": args.tokens,
+                     "prompt": args.prompt, "threads": args.threads, "decode": args.decode, "backend": args.backend,
+                     "server": server.banner, "server_exit": rc}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serve_results.json").write_text(json.dumps(res, indent=2) + "\n")
     print(markdown(res))
     print(f"\nwrote {args.out / 'serve_results.json'}")
+    return 0
+
+
+def run_profile(args, export: Path, info: dict) -> int:
+    from benchmarks import serve_profile
+
+    res = serve_profile.profile(export, args.streams, args.prompt, args.tokens, args.backend, args.slots or None,
+                                args.threads, args.decode, args.single_requests, args.per_stream)
+    res["machine"] = {**info, "loadavg": list(os.getloadavg())}
+    res["config"] = {"export": str(export), "streams": args.streams, "slots": args.slots, "tokens": args.tokens,
+                     "prompt": args.prompt, "threads": args.threads, "decode": args.decode, "backend": args.backend}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "serve_profile.json").write_text(json.dumps(res, indent=2) + "\n")
+    print(serve_profile.markdown(res))
+    print(f"load average {info['loadavg_start'][0]:.2f} at the start, {res['machine']['loadavg'][0]:.2f} at the end; "
+          f"wrote {args.out / 'serve_profile.json'}")
     return 0
 
 

@@ -31,6 +31,9 @@ def convert_cmd(
                                             "earlier prefill chunk (0: each chunk observes itself; default 64 with "
                                             "no compression flags)."),
     chunk: Optional[int] = typer.Option(None, "--chunk", help="Prefill chunk length of the exported graph."),
+    decode_batch: Optional[int] = typer.Option(None, "--decode-batch", help="Rows of the export's batched decode "
+                                               "graph, what `kvexport serve` decodes its slots with (default 16; "
+                                               "0: none)."),
     max_positions: Optional[int] = typer.Option(None, "--max-positions", help="Without a press: the static "
                                                 "cache's capacity, the longest context (default: the model's)."),
     distill_teacher: Optional[str] = typer.Option(None, "--distill-teacher", help="Teacher model for distillation."),
@@ -90,7 +93,8 @@ def convert_cmd(
         raise BadUsage("--out DIR is required (where the conversion is written)")
     base = ConvertConfig.from_file(config) if config is not None else ConvertConfig()
     flags = dict(model=model, mla_rank=mla_rank, mla_energy=mla_energy, rope_dim=rope_dim, press=press,
-                 budget=budget, window=window, neighbors=neighbors, lookahead=lookahead, chunk=chunk, max_positions=max_positions,
+                 budget=budget, window=window, neighbors=neighbors, lookahead=lookahead, chunk=chunk,
+                 decode_batch=decode_batch, max_positions=max_positions,
                  distill_teacher=distill_teacher,
                  distill_data=str(distill_data) if distill_data is not None else None,
                  distill_tokens=distill_tokens, target=target, fp16=fp16, kv_dtype=kv_dtype, validate=validate, profile=profile,

@@ -208,6 +208,7 @@ def generate_from_export(directory: Path, prompts: list[str], max_new_tokens: in
     from rich.console import Console
 
     from kvexport.cli.common import cache_summary, encode_prompts
+    from kvexport.cli.generate_cmd import print_completions
     from kvexport.errors import BadUsage
     from kvexport.models.loading import load_tokenizer
 
@@ -224,7 +225,6 @@ def generate_from_export(directory: Path, prompts: list[str], max_new_tokens: in
     res = gen.generate(ids.numpy(), mask.numpy(), max_new_tokens, eos_token_id=tok.eos_token_id, track_kept=False)
     dt = time.perf_counter() - t0
     console = Console()
-    for i in range(ids.shape[0]):
-        console.print(f"[bold]{prompts[i][:60]!r}[/] -> {tok.decode(res.tokens[i].tolist())!r}", highlight=False)
+    print_completions(console, prompts, [tok.decode(res.tokens[i].tolist()) for i in range(ids.shape[0])])
     console.print(f"[dim]{res.tokens.shape[1]} tokens in {dt:.2f}s with {backend} ({gen.providers[0]}); "
-                  f"{s['mode']} {cache_summary(res.resident_bytes)}; {res.compactions} compactions[/]")
+                  f"{s['mode']} {cache_summary(res.resident_bytes)}; {res.compactions} compactions[/]", soft_wrap=True)

@@ -92,7 +92,16 @@ def generate_cmd(
     res = generate(decoder, ids, mask, press=p, window=window, chunk=chunk, max_new_tokens=max_new_tokens,
                    eos_token_id=tok.eos_token_id, kv_dtype=kv_dtype, lookahead=lookahead)
     dt = time.perf_counter() - t0
-    for i in range(ids.shape[0]):
-        console.print(f"[bold]{prompts[i][:60]!r}[/] -> {tok.decode(res.tokens[i].tolist())!r}", highlight=False)
+    print_completions(console, prompts, [tok.decode(res.tokens[i].tolist()) for i in range(ids.shape[0])])
     console.print(f"[dim]{res.tokens.shape[1]} tokens in {dt:.2f}s; press={press} budget={budget} ratio={ratio} "
-                  f"window={window}; {cache_summary(res.resident_bytes)}, fixed; {res.compactions} compactions[/]")
+                  f"window={window}; {cache_summary(res.resident_bytes)}, fixed; {res.compactions} compactions[/]",
+                  soft_wrap=True)
+
+
+def print_completions(console, prompts: list[str], texts: list[str]) -> None:
+    """One line per prompt, ``'prompt' -> 'completion'`` (Python reprs), never wrapped (a pipe or a file gets the
+    line whole, whatever its length) and never read as markup (a completion may hold ``[i]`` or ``[/]``)."""
+    from rich.markup import escape
+
+    for p, text in zip(prompts, texts, strict=True):
+        console.print(f"[bold]{escape(repr(p[:60]))}[/] -> {escape(repr(text))}", highlight=False, soft_wrap=True)

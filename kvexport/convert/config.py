@@ -43,6 +43,9 @@ DEFAULT_LOOKAHEAD = 64
 DEFAULT_NEIGHBORS = 3
 #: default profile contexts; contexts past the model's position range are dropped at run time
 DEFAULT_CONTEXTS = (512, 2048, 8192)
+#: a conversion's export also decodes this many sequences in one call (decode_batch.onnx): what `kvexport serve`
+#: batches its slots with (docs/serve.md)
+DEFAULT_DECODE_BATCH = 16
 DEFAULT_DECODE_STEPS = 32
 #: timed runs per profile context (the report shows their p10-p90 spread)
 DEFAULT_REPEATS = 3
@@ -73,6 +76,8 @@ class ConvertConfig:
     chunk: int | None = None
     #: capacity of a static full cache (no press): the longest context the export takes (default: the model's)
     max_positions: int | None = None
+    #: rows of the export's decode_batch graph (the server's slots decoded in one call); 0: none
+    decode_batch: int = DEFAULT_DECODE_BATCH
     distill_teacher: str | None = None
     distill_data: str | None = None
     distill_tokens: int | None = None
@@ -175,7 +180,7 @@ class ConvertConfig:
             setattr(self, name, iv)
 
         for name in ("mla_rank", "rope_dim", "budget", "window", "neighbors", "lookahead", "chunk", "max_positions",
-                     "choose_context", "distill_tokens",
+                     "choose_context", "decode_batch", "distill_tokens",
                      "decode_steps", "validate_steps", "repeats", "seed"):
             as_int(name)
         for name in ("min_agreement", "max_ppl_increase", "min_recall"):
@@ -273,6 +278,8 @@ class ConvertConfig:
             raise BadUsage(f"--window {self.window} must be >= 1 token")
         if self.chunk is not None and self.chunk < 1:
             raise BadUsage(f"--chunk {self.chunk} must be >= 1 token")
+        if self.decode_batch is None or self.decode_batch < 0:
+            raise BadUsage(f"--decode-batch {self.decode_batch} must be >= 0 (0: no batched decode graph)")
         if self.max_positions is not None and self.max_positions < 1:
             raise BadUsage(f"--max-positions {self.max_positions} must be >= 1 token")
         if self.distill_teacher is None and (self.distill_data is not None or self.distill_tokens is not None):

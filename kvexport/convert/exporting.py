@@ -38,7 +38,8 @@ def converted_job(st, in_memory: bool = True) -> tuple[Any, Path, dict[str, Any]
 
         press = make_press(cfg.press, budget=cfg.budget, neighbors=int(cfg.neighbors or 0))
     kw = dict(press=press, budget=None, window=cfg.window if press else 32, chunk=cfg.chunk,
-              lookahead=int(cfg.lookahead or 0) if press else 0,
+              lookahead=int(cfg.lookahead or 0) if press else 0, batch=1,
+              decode_batch=int(cfg.decode_batch) if cfg.decode_batch else None,
               dtype="fp16" if cfg.fp16 else "fp32", ops="custom", force=False, max_positions=cfg.max_positions,
               kv_dtype=cfg.kv_dtype, source=source, tokenizer_dir=st.model_path, original=st.model_path)
     return model, st.work / layout.ONNX_DIR, kw

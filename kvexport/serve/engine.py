@@ -61,6 +61,7 @@ class Sequence:
     cancelled: bool = False
     text: TextStream | None = None
     compactions: list[tuple[str, list]] = field(default_factory=list)  # (where, kept positions) with track_kept
+    queued_tokens: int = 0  # what it counts in the engine's queue while it waits for a slot
 
     def __post_init__(self):
         self._rng = self.sampling.rng()
@@ -70,16 +71,20 @@ class Engine:
     """``Engine(backend, tokenizer)``: :meth:`submit` sequences, :meth:`cancel` them; :meth:`start` runs the
     scheduler thread, :meth:`stop` ends it (sequences still running finish as "cancelled").
 
-    ``max_queue``: sequences waiting beyond the slots (more are refused by :meth:`submit` with None).
+    ``max_queue``: sequences waiting for a slot; ``max_queued_tokens``: their prompt and ``max_tokens`` together
+    (:meth:`submit_all` refuses what would pass either, naming which).
     ``track_kept``: keep each sequence's kept positions after every compaction (tests compare them with a solo
     run; costs a copy per compaction)."""
 
     def __init__(self, backend: SlotBackend, tokenizer, metrics: Metrics | None = None, max_queue: int = 1024,
-                 track_kept: bool = False, publish: Callable[[list[tuple[Sequence, Event]]], None] | None = None):
+                 track_kept: bool = False, publish: Callable[[list[tuple[Sequence, Event]]], None] | None = None,
+                 max_queued_tokens: int | None = None):
         self.backend = backend
         self.tokenizer = tokenizer
         self.metrics = metrics or Metrics()
         self.max_queue = int(max_queue)
+        self.max_queued_tokens = max_queued_tokens
+        self._queued_tokens = 0  # prompt + max_tokens of the sequences not yet in a slot (admission)
         self.track_kept = track_kept
         self.publish = publish or _call_sinks
         self._cv = threading.Condition()
@@ -95,14 +100,32 @@ class Engine:
     # ------------------------------------------------------------------ caller side (any thread)
     def submit(self, seq: Sequence) -> bool:
         """Queue ``seq``; False when the queue is full or the engine has stopped."""
+        return self.submit_all([seq]) is None
+
+    def submit_all(self, seqs: list[Sequence]) -> str | None:
+        """Queue all of ``seqs`` or none: None when queued, else why not ("stopped", "queue": ``max_queue``
+        sequences would wait, "tokens": ``max_queued_tokens`` would be passed)."""
+        cost = [len(s.prompt) + s.max_tokens for s in seqs]
         with self._cv:
-            if self._stopped or len(self._incoming) + len(self._waiting) >= self.max_queue:
-                return False
-            seq.state = "queued"
-            seq.text = TextStream(self.tokenizer, tuple(seq.stop))
-            self._incoming.append(seq)
+            if self._stopped:
+                return "stopped"
+            if len(self._incoming) + len(self._waiting) + len(seqs) > self.max_queue:
+                return "queue"
+            if self.max_queued_tokens is not None and self._queued_tokens + sum(cost) > self.max_queued_tokens:
+                return "tokens"
+            for seq, c in zip(seqs, cost, strict=True):
+                seq.state, seq.queued_tokens = "queued", c
+                seq.text = TextStream(self.tokenizer, tuple(seq.stop))
+                self._incoming.append(seq)
+            self._queued_tokens += sum(cost)
             self._cv.notify()
-        return True
+        return None
+
+    def _unqueue(self, seq: Sequence) -> None:
+        """``seq`` no longer waits (it took a slot, or ended before): its tokens leave the queue's count."""
+        with self._cv:
+            self._queued_tokens -= seq.queued_tokens
+            seq.queued_tokens = 0
 
     def cancel(self, seq: Sequence) -> None:
         """Stop ``seq`` (a client went away); its slot is freed on the next tick."""
@@ -120,7 +143,7 @@ class Engine:
     def counts(self) -> dict[str, int]:
         with self._cv:
             return {"active_sequences": len(self._slots), "queued_sequences": len(self._incoming) + len(self._waiting),
-                    "slots": self.backend.n_slots}
+                    "queued_tokens": self._queued_tokens, "slots": self.backend.n_slots}
 
     @property
     def alive(self) -> bool:
@@ -185,6 +208,7 @@ class Engine:
                 events.append((s, Event("", None, "cancelled")))
         while self._free and self._waiting:
             s = self._waiting.popleft()
+            self._unqueue(s)
             s.slot = self._free.pop()
             self._slots[s.slot] = s
             s.state = "prefill"
@@ -240,6 +264,7 @@ class Engine:
 
     def _finish(self, s: Sequence, reason: str) -> None:
         s.finish, s.state = reason, "done"
+        self._unqueue(s)
         if s.slot is not None and self._slots.get(s.slot) is s:
             del self._slots[s.slot]
             self.backend.release(s.slot)

@@ -77,6 +77,8 @@ def render(metrics: Metrics, gauges: dict, resident: dict) -> str:
            [("", float(metrics.tokens_per_second()))])
     for name, h in (("active_sequences", "Sequences holding a cache slot."),
                     ("queued_sequences", "Sequences waiting for a slot."),
+                    ("queued_tokens", "Prompt and max_tokens of the sequences waiting for a slot."),
+                    ("requests_in_flight", "Completion requests being read, waiting, generating or streaming."),
                     ("slots", "Cache slots sequences are admitted to.")):
         metric(name, "gauge", h, [("", int(gauges[name]))])
     per = resident["per_slot"]["total"]

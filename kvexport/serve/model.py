@@ -76,7 +76,7 @@ def open_backend(export_dir: Path, backend: str, max_sequences: int | None, thre
     if backend == "pytorch":
         from kvexport.serve.backends.torch_slots import TorchSlots
 
-        return TorchSlots(export_dir, max_sequences, threads)
+        return TorchSlots(export_dir, max_sequences, threads, decode)
     raise BadUsage(f"--backend {backend!r} is not one of: {', '.join(BACKENDS)}")
 
 

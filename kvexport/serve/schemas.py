@@ -15,8 +15,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvexport.serve.errors import APIError, bad_request
+from kvexport.serve.limits import clip
 
-Stop = str | Annotated[list[str], Field(max_length=4)] | None
+#: characters of one stop string, at most (the text a stream holds back is as long as the longest one)
+STOP_CHARS = 256
+StopString = Annotated[str, Field(max_length=STOP_CHARS)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=4)] | None
+Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
 
 
 class _Strict(BaseModel):
@@ -32,7 +37,7 @@ class _Request(_Strict):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: Stop = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -51,11 +56,15 @@ class _Request(_Strict):
         return stops
 
     def check_supported(self) -> None:
-        """Refuse OpenAI features this server does not implement (400, naming the parameter)."""
+        """Refuse OpenAI features this server does not implement (400, naming the parameter), and
+        ``stream_options`` without ``stream`` (as OpenAI does)."""
         for name, value, neutral in self._features():
             if value is not None and value != neutral:
-                raise bad_request(f"'{name}' = {value!r} is not supported by this server (only {neutral!r}).", name,
-                                  "unsupported_value")
+                raise bad_request(f"'{name}' = {clip(value)} is not supported by this server (only {neutral!r}).",
+                                  name, "unsupported_value")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                              "stream_options", "invalid_value")
 
     def _features(self) -> list[tuple[str, Any, Any]]:
         return [("n", self.n, 1), ("presence_penalty", self.presence_penalty, 0),
@@ -117,12 +126,12 @@ def parse(cls: type[_Request], body: Any) -> _Request:
     try:
         req = cls.model_validate(body)
     except ValidationError as e:
-        raise from_validation_error(e) from None
+        raise from_validation_error(e, cls) from None
     req.check_supported()
     return req
 
 
-def from_validation_error(e: ValidationError) -> APIError:
+def from_validation_error(e: ValidationError, cls: type[BaseModel] | None = None) -> APIError:
     """The first problem pydantic found, worded as OpenAI words it. Where a union's members all failed (``stop``:
     a string or a list), a member's value error says more than the other members' type errors."""
     errors = e.errors()
@@ -133,18 +142,31 @@ def from_validation_error(e: ValidationError) -> APIError:
         return bad_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
     if kind == "missing":
         return bad_request(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
-    if kind == "greater_than_equal" and isinstance(err.get("input"), int):
-        return bad_request(f"Invalid '{param}': integer below minimum value. Expected a value >= "
-                           f"{err['ctx']['ge']}, but got {err['input']!r} instead.", param, "integer_below_min_value")
+    bound = {"greater_than_equal": ("below minimum", "min", ">=", "ge"),
+             "less_than_equal": ("above maximum", "max", "<=", "le")}.get(kind)
+    if bound is not None and isinstance(err.get("input"), (int, float)) and not isinstance(err["input"], bool):
+        number = "decimal" if _is_float(cls, err["loc"]) else "integer"
+        where, code, op, key = bound
+        limit = err["ctx"][key]
+        limit = int(limit) if number == "integer" or float(limit).is_integer() else limit
+        return bad_request(f"Invalid '{param}': {number} {where} value. Expected a value {op} {limit}, but got "
+                           f"{clip(err['input'])} instead.", param, f"{number}_{where.split()[0]}_{code}_value")
     if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than", "too_long", "too_short",
-                "literal_error"):
+                "string_too_long", "literal_error"):
         return bad_request(f"Invalid value for '{param}': {err['msg']}.", param, "invalid_value")
     return bad_request(f"Invalid type for '{param}': {err['msg']}.", param, "invalid_type")
 
 
+def _is_float(cls: type[BaseModel] | None, loc) -> bool:
+    """Whether the top-level field at ``loc`` is a number with decimals (OpenAI words its bounds "decimal")."""
+    field = cls.model_fields.get(loc[0]) if cls is not None and loc else None
+    return field is not None and "float" in str(field.annotation)
+
+
 def _is_type_name(part: str) -> bool:
     """pydantic puts union members into error locations (``'list[int]'``, ``'str'``); they are no parameter."""
-    return any(ch in part for ch in "[]") or part in ("str", "int", "float", "bool", "none", "function-after")
+    return any(ch in part for ch in "[]") or part in ("str", "int", "float", "bool", "none", "function-after",
+                                                      "constrained-str")
 
 
 def _path(loc) -> list:

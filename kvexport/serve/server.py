@@ -20,6 +20,7 @@ from pathlib import Path
 from kvexport.errors import BadUsage
 from kvexport.serve.app import build_app
 from kvexport.serve.engine import Engine
+from kvexport.serve.limits import Limits
 from kvexport.serve.model import ServedModel, open_model
 
 #: seconds uvicorn waits beyond the drain deadline for the cancelled requests to send their last bytes
@@ -68,21 +69,26 @@ def _uvicorn_server(app, drain_timeout: float, on_signal=None):
     return Server(config)
 
 
-def make_app(model: ServedModel, track_kept: bool = False, max_queue: int = 1024):
-    engine = Engine(model.backend, model.tokenizer, max_queue=max_queue, track_kept=track_kept)
-    return build_app(model, engine), engine
+def make_app(model: ServedModel, limits: Limits | None = None, track_kept: bool = False):
+    """(the app, its engine) for ``model`` under ``limits`` (default: :class:`Limits` ()), resolved for the model."""
+    limits = (limits or Limits()).resolve(model.limit, model.tokenizer)
+    engine = Engine(model.backend, model.tokenizer, max_queue=limits.max_queue, track_kept=track_kept,
+                    max_queued_tokens=limits.max_queued_tokens)
+    app = build_app(model, engine, limits)
+    app.state.limits = limits
+    return app, engine
 
 
 def serve(directory: str | Path, host: str = "127.0.0.1", port: int = 8000, backend: str = "onnxruntime",
           max_sequences: int | None = None, threads: int | None = None, name: str | None = None,
-          drain_timeout: float = 30.0, max_queue: int = 1024, decode: str = "auto") -> int:
+          drain_timeout: float = 30.0, decode: str = "auto", limits: Limits | None = None) -> int:
     """Serve ``directory`` until SIGTERM/SIGINT (see the module docstring); returns the exit status, 0."""
     import asyncio
 
     if drain_timeout < 0:
         raise BadUsage(f"--drain-timeout {drain_timeout} must be >= 0")
     model = open_model(directory, backend, max_sequences, threads, name, decode)
-    app, engine = make_app(model, max_queue=max_queue)
+    app, engine = make_app(model, limits)
     sock = bind(host, port)
     bound = sock.getsockname()[1]
     res = model.backend.resident_bytes()
@@ -101,8 +107,8 @@ def serve(directory: str | Path, host: str = "127.0.0.1", port: int = 8000, back
     server = _uvicorn_server(app, drain_timeout + GRACE, on_signal)
     print(f"serving {model.name} ({model.export_dir}, {model.backend.name}) on http://{host}:{bound} - "
           f"{model.backend.n_slots} sequences at once, {res['per_slot']['total'] / 2**20:.2f} MiB cache per slot, "
-          f"{res['total'] / 2**20:.2f} MiB in all; context {model.limit} tokens; {model.backend.describe()}",
-          flush=True)
+          f"{res['total'] / 2**20:.2f} MiB in all; context {model.limit} tokens; {model.backend.describe()}; "
+          f"{app.state.limits.describe()}", flush=True)
     try:
         asyncio.run(server.serve(sockets=[sock]))
     finally:
@@ -118,10 +124,10 @@ class ServerThread:
 
     The engine is exposed as ``srv.engine`` (``track_kept=True`` keeps each sequence's compactions)."""
 
-    def __init__(self, model: ServedModel, host: str = "127.0.0.1", track_kept: bool = False, max_queue: int = 1024,
-                 drain_timeout: float = 5.0):
+    def __init__(self, model: ServedModel, host: str = "127.0.0.1", track_kept: bool = False,
+                 limits: Limits | None = None, drain_timeout: float = 5.0):
         self.model = model
-        self.app, self.engine = make_app(model, track_kept, max_queue)
+        self.app, self.engine = make_app(model, limits, track_kept)
         self.sock = bind(host, 0)
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
         self.server = _uvicorn_server(self.app, drain_timeout + GRACE)

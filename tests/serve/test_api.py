@@ -173,7 +173,7 @@ def test_models_health_metrics(client, server):
     assert client.models.retrieve("kvx-student").owned_by == "kvexport"
     health = json.loads(urllib.request.urlopen(server.url + "/health").read())
     assert health == {"status": "ok", "model": "kvx-student", "active_sequences": 0, "queued_sequences": 0,
-                      "slots": 4}
+                      "queued_tokens": 0, "slots": 4, "requests_in_flight": 0}
     client.completions.create(model="kvx-student", prompt="x", max_tokens=3, extra_body={"ignore_eos": True})
     m = parse_metrics(urllib.request.urlopen(server.url + "/metrics").read().decode())
     res = server.model.backend.resident_bytes()
@@ -181,4 +181,5 @@ def test_models_health_metrics(client, server):
     assert [m[f'kvexport_resident_cache_bytes{{slot="{r}"}}'] for r in range(4)] == [res["per_slot"]["total"]] * 4
     assert m['kvexport_requests_total{outcome="ok"}'] >= 1 and m["kvexport_generated_tokens_total"] >= 3
     assert m["kvexport_active_sequences"] == 0 and m["kvexport_queued_sequences"] == 0 and m["kvexport_slots"] == 4
+    assert m["kvexport_queued_tokens"] == m["kvexport_requests_in_flight"] == 0
     assert m["kvexport_process_resident_memory_bytes"] > res["total"]

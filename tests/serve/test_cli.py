@@ -71,7 +71,7 @@ def generate_text(export_dir: Path, prompt: str, n: int) -> str:
     """The completion ``kvexport generate EXPORT -p PROMPT -n N`` prints (``'prompt' -> 'text'``, reprs)."""
     r = subprocess.run([sys.executable, "-m", "kvexport", "generate", str(export_dir), "-p", prompt, "-n", str(n)],
                        capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100000"})  # no wrapped lines
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr
     head = f"{prompt[:60]!r} -> "
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith(head)), None)

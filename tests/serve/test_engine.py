@@ -80,7 +80,11 @@ def assert_equal_library_runs(seqs: list[Sequence], solo) -> None:
 def test_pytorch_backend_equals_library_generate(export_dir, tokenizer, solo):
     from kvexport.serve.backends.torch_slots import TorchSlots
 
-    backend = TorchSlots(export_dir, max_sequences=2)
+    backend = ts.TorchSlots(mla_export_dir if mla else export_dir, max_sequences=2, decode=decode)
+    assert backend.batched is (decode == "batched")
+    rows = []  # the rows of each batched forward
+    real = ts.decode_rows
+    monkeypatch.setattr(ts, "decode_rows", lambda dec, caches, *a: rows.append(len(caches)) or real(dec, caches, *a))
     seqs, _ = run(backend, tokenizer)
     assert_equal_library_runs(seqs, solo)
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Cache slots on the PyTorch reference path: kvexport's Decoder with one :class:`StaticCache` per slot.
+"""Cache slots on the PyTorch path: kvexport's Decoder with one :class:`StaticCache` per slot.
 
 The model is the export's source (``kvexport.export.reference.load_reference_model``: the manifest's model,
 checked against its hash), with the export's press, budgets, window, chunk and cache format (what
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from kvexport.errors import BadArtifact, BadUsage
-from kvexport.serve.backends.base import SlotBackend
+from kvexport.serve.backends.base import DECODE_MODES, SlotBackend
 
 
 class TorchSlots(SlotBackend):
@@ -23,7 +23,8 @@ class TorchSlots(SlotBackend):
 
     name = "pytorch"
 
-    def __init__(self, export_dir, max_sequences: int | None = None, threads: int | None = None):
+    def __init__(self, export_dir, max_sequences: int | None = None, threads: int | None = None,
+                 decode: str = "auto"):
         import torch
 
         from kvexport.export.reference import load_reference_model, reference_kwargs
@@ -37,6 +38,12 @@ class TorchSlots(SlotBackend):
             raise BadArtifact(f"{export_dir} is a growing-past (--dynamic-cache) export: serve a static-cache export")
         if max_sequences is not None and int(max_sequences) < 1:
             raise BadUsage(f"--max-sequences {max_sequences} must be >= 1")
+        if decode not in DECODE_MODES:
+            raise BadUsage(f"--decode {decode!r} is not one of: {', '.join(DECODE_MODES)}")
+        if decode == "batched":
+            raise BadUsage("--decode batched: the PyTorch backend decodes slot by slot (the reference path); the "
+                           "onnxruntime backend batches with the export's decode_batch graph")
+        self.batched = False
         if threads:
             torch.set_num_threads(int(threads))
         self.decoder = load_reference_model(manifest, root=Path(export_dir))
@@ -59,7 +66,7 @@ class TorchSlots(SlotBackend):
         self._drivers[slot].close()  # the next sequence gets a fresh cache of the same size
 
     def resident_bytes(self) -> dict:
-        """Per slot: one batch-1 StaticCache (allocated when a sequence is admitted, always this size)."""
+        """Per slot: one batch-1 StaticCache (its buffers a row of the bank made at start; always this size)."""
         per = dict(self._per_slot)
         return {"per_slot": per, "slots": self.n_slots, "shared": {"total": 0}, "total": per["total"] * self.n_slots}
 
