@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvexport.errors import BadUsage
 from kvexport.serve.backends.graphs import GraphSlots
 from kvexport.serve.engine import Engine, Sequence
 from kvexport.serve.sampling import SamplingParams
@@ -80,13 +81,17 @@ def assert_equal_library_runs(seqs: list[Sequence], solo) -> None:
 def test_pytorch_backend_equals_library_generate(export_dir, tokenizer, solo):
     from kvexport.serve.backends.torch_slots import TorchSlots
 
-    backend = ts.TorchSlots(mla_export_dir if mla else export_dir, max_sequences=2, decode=decode)
-    assert backend.batched is (decode == "batched")
-    rows = []  # the rows of each batched forward
-    real = ts.decode_rows
-    monkeypatch.setattr(ts, "decode_rows", lambda dec, caches, *a: rows.append(len(caches)) or real(dec, caches, *a))
+    backend = TorchSlots(export_dir, max_sequences=2)
+    assert not backend.batched
     seqs, _ = run(backend, tokenizer)
     assert_equal_library_runs(seqs, solo)
+
+
+def test_pytorch_backend_refuses_batched_decode(export_dir):
+    from kvexport.serve.backends.torch_slots import TorchSlots
+
+    with pytest.raises(BadUsage, match="the PyTorch backend decodes slot by slot"):
+        TorchSlots(export_dir, max_sequences=2, decode="batched")
 
 
 @pytest.mark.parametrize("decode", ["batched", "rows"], ids=["decode_batch", "slot-by-slot"])
