@@ -56,8 +56,8 @@ SKIP = [
     (r"^accelerate launch --multi_gpu --num_processes 2 .*--cpu", "the two-process CPU run is "
                                                                   "tests/mla/test_distill_ddp.py"),
     (r"distill \.\.\. ", "an outline of the command (written out in docs/mla.md)"),
-    (r"^python -m benchmarks( *$| --quick| --rows)", "a full benchmark run (minutes to hours); the --tiny run is "
-                                                    "tests/benchmarks/test_bench_smoke.py"),
+    (r"^python -m benchmarks( *$| --quick| --rows| --shapes)", "a full benchmark run (minutes to hours); the --tiny "
+                                                               "run is tests/benchmarks/test_bench_smoke.py"),
     (r"^python -m benchmarks --tiny", "tests/benchmarks/test_bench_smoke.py runs it"),
     (r"^python -m benchmarks --render", "needs the results of a full benchmark run"),
     (r"^python -m benchmarks\.bench_realsize", "converts real-size shapes (minutes for the student, an hour for "
