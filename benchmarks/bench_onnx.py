@@ -86,13 +86,13 @@ def worker(directory: str, context: int, steps: int, threads: int) -> None:
     """One measurement in this process: prefill ``context`` random tokens, ``steps`` decode steps."""
     import numpy as np
 
-    from kvexport.export.runtime import OrtGenerator
+    from kvexport.runtime import generate, open_onnxruntime
 
-    gen = OrtGenerator(directory, threads=threads)
+    gen = open_onnxruntime(directory, threads=threads)
     loaded = peak_rss_mb("VmRSS")  # sessions + weights + (static) cache buffers
     V = int(gen.settings["vocab_size"])
     ids = np.random.default_rng(0).integers(3, V, (gen.batch, context))
-    res = gen.generate(ids, None, steps + 1, track_kept=False)
+    res = generate(gen, ids, None, steps + 1)
     dec = sorted(res.decode_seconds)
     print(json.dumps({"decode_ms": 1000 * dec[len(dec) // 2], "prefill_s": res.prefill_seconds,
                       "peak_rss_mb": peak_rss_mb(), "loaded_rss_mb": loaded,
@@ -101,69 +101,23 @@ def worker(directory: str, context: int, steps: int, threads: int) -> None:
 
 def synthetic_worker(directory: str, context: int, steps: int, threads: int) -> None:
     """Like :func:`worker`, but the cache is put in the state a ``context``-token prompt leaves (random
-    keys/values at positions < context) instead of running the prefill: decode cost only."""
+    keys/values at positions < context, the driver's ``synthesize``) instead of running the prefill: decode cost
+    only, through the same loop."""
     import numpy as np
 
-    from kvexport.export.runtime import OrtGenerator
+    from kvexport.runtime import Stream, open_onnxruntime
+    from kvexport.runtime.loop import generate_from
 
-    gen = OrtGenerator(directory, threads=threads)
+    gen = open_onnxruntime(directory, threads=threads)
     loaded = peak_rss_mb("VmRSS")
     rng = np.random.default_rng(0)
-    B, V = gen.batch, int(gen.settings["vocab_size"])
-    times = []
-    if gen.dynamic:
-        sess = gen.sessions["model"]
-        g = gen.settings["graphs"]["model"]
-        past = {}
-        for inp in sess.get_inputs():
-            if inp.name.startswith("past_") and inp.name != "past_positions":
-                shp = [B, inp.shape[1], context, inp.shape[3]]
-                past[inp.name] = gen._ov(rng.standard_normal(shp).astype(gen.dtype))
-        past_pos = np.broadcast_to(np.arange(context), (B, context)).copy()
-        for step in range(steps):
-            t0 = time.perf_counter()
-            io = sess.io_binding()
-            io.bind_cpu_input("input_ids", rng.integers(3, V, (B, 1)))
-            io.bind_cpu_input("positions", np.full((B, 1), context + step, np.int64))
-            io.bind_cpu_input("past_positions", past_pos)
-            for n, v in past.items():
-                io.bind_ortvalue_input(n, v)
-            for n in g["outputs"]:
-                io.bind_output(n, gen.device)
-            sess.run_with_iobinding(io)
-            outs = dict(zip(g["outputs"], io.get_outputs(), strict=False))
-            past = {n.replace("present_", "past_"): outs[n] for n in g["outputs"] if n.startswith("present_")
-                    and n != "present_positions"}
-            past_pos = outs["present_positions"].numpy()
-            times.append(time.perf_counter() - t0)
-        cache = sum(v.numpy().nbytes for v in past.values())
-        compactions = 0
-    else:
-        fill = list(gen.budgets)
-        for i, ly in enumerate(gen.layers):
-            b = ly["budget"]
-            pos = np.full((B, ly["heads"], ly["capacity"]), -1, np.int64)
-            pos[:, :, :b] = np.sort(rng.choice(context, size=b, replace=False))
-            k = np.zeros((B, ly["heads"], ly["capacity"], ly["key_dim"]), gen.dtype)
-            k[:, :, :b] = rng.standard_normal(k[:, :, :b].shape)
-            gen.buffers[f"pos_{i}"][gen.cur[f"pos_{i}"]].update_inplace(pos)
-            gen.buffers[f"k_{i}"][gen.cur[f"k_{i}"]].update_inplace(k)
-        compactions = 0
-        for step in range(steps):
-            t0 = time.perf_counter()
-            gen._run("decode", {"input_ids": rng.integers(3, V, (B, 1)),
-                                "positions": np.full((B, 1), context + step, np.int64), "slot": np.array(fill)})
-            fill = [f + 1 for f in fill]
-            if any(f >= c for f, c in zip(fill, gen.caps, strict=False)):
-                gen._run("compact", {"fill": np.array(fill)})
-                fill = [min(f, b) for f, b in zip(fill, gen.budgets, strict=False)]
-                compactions += 1
-            times.append(time.perf_counter() - t0)
-        cache = gen.cache_bytes
-    times.sort()
+    stream = Stream.resume(gen, gen.synthesize(context, rng))
+    first = np.zeros((gen.batch, int(gen.settings["vocab_size"])), np.float32)
+    res = generate_from(stream, first, steps + 1)
+    times = sorted(res.decode_seconds)
     print(json.dumps({"decode_ms": 1000 * times[len(times) // 2], "prefill_s": float("nan"),
                       "peak_rss_mb": peak_rss_mb(), "loaded_rss_mb": loaded,
-                      "cache_mb": cache / 2**20, "compactions": compactions}))
+                      "cache_mb": res.cache_bytes / 2**20, "compactions": res.compactions}))
 
 
 def measure(d: Path, context: int, steps: int, threads: int, timeout: int, synthetic: bool = False) -> dict:

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from kvexport.cache.plan import DEFAULT_WINDOW
+
 ROOT = Path(__file__).resolve().parent.parent
 #: the cache formats each configuration is run with, unless --formats says otherwise
 FORMATS = {"mla+press": ("int8", "fp8"), "press": ("int8",), "mla": ("int8",)}
@@ -49,7 +51,8 @@ def build(mla: bool, equalize: bool = False, mla_dir: str | None = None, distill
     the other settings its defaults)."""
     from kvexport.convert.config import showcase_mla
     from kvexport.mla.config import MLASettings
-    from kvexport.models.loading import load_decoder, load_tokenizer
+    from kvexport.mla.io import load_decoder
+    from kvexport.models.loading import load_tokenizer
 
     path = ROOT / model
     tok = load_tokenizer(path)
@@ -127,7 +130,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--press", default="expected_attention")
     ap.add_argument("--budget", type=int, default=1024)
-    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--recall", nargs="*", default=["192:32", "192:32:64", "1400:8"],
                     metavar="CONTEXT:EXAMPLES[:BUDGET]",

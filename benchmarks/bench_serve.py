@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvexport.cache.plan import DEFAULT_WINDOW
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -269,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads of the server")
     ap.add_argument("--decode", default="auto", help="the server's --decode (auto, batched, rows)")
     ap.add_argument("--budget", type=int, default=256)
-    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path("/tmp/kvexport-bench-serve"))
     args = ap.parse_args(argv)

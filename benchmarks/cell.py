@@ -59,12 +59,12 @@ class _TimedSession:
 
 
 def run_kvx(spec: dict):
-    from kvexport.export import OrtGenerator
+    from kvexport.runtime import generate, open_onnxruntime
 
-    gen = OrtGenerator(spec["export_dir"], providers=["CPUExecutionProvider"], threads=int(spec.get("threads") or 1))
+    gen = open_onnxruntime(spec["export_dir"], providers=["CPUExecutionProvider"], threads=int(spec.get("threads") or 1))
     log: list = []
-    gen.sessions = {n: _TimedSession(s, n, log) for n, s in gen.sessions.items()}
-    gen.generate(prompt_ids(16, spec["vocab"]), max_new_tokens=3, track_kept=False)  # warm-up
+    gen.graphs.sessions = {n: _TimedSession(s, n, log) for n, s in gen.graphs.sessions.items()}  # stamps each call
+    generate(gen, prompt_ids(16, spec["vocab"]), max_new_tokens=3)  # warm-up
     n_new = spec["steps"] + 1
 
     if spec.get("synthesize"):
@@ -72,7 +72,7 @@ def run_kvx(spec: dict):
 
     def cell(n: int) -> dict:
         log.clear()
-        res = gen.generate(prompt_ids(n, spec["vocab"]), max_new_tokens=n_new, track_kept=False)
+        res = generate(gen, prompt_ids(n, spec["vocab"]), max_new_tokens=n_new)
         if gen.dynamic:  # one call per prompt chunk (the whole prompt when the export has no chunk), then per token
             k = len(log) - spec["steps"]  # the last `steps` calls are the decode steps
             prefill_end, t_start = log[k - 1][2], log[0][1]
@@ -91,30 +91,24 @@ def run_kvx(spec: dict):
 
 
 def _synthesized_cells(gen, spec: dict, log: list):
-    """Cells that start from a synthesised, compacted cache (module docstring)."""
+    """Cells that start from a synthesised, compacted cache (module docstring): the driver's ``synthesize``, then
+    the one loop's decoding from the first token 5."""
+    from kvexport.runtime import Stream
+    from kvexport.runtime.loop import generate_from
+
     rng = np.random.default_rng(7)
+    first = np.zeros((gen.batch, int(spec["vocab"])), np.float32)
+    first[:, 5] = 1.0
 
     def cell(n: int) -> dict:
-        gen.reset()
-        for i, b in enumerate(gen.plan.budgets):
-            for name in (f"k_{i}", f"v_{i}"):
-                arr = gen.cache[name]
-                arr[:, :, :b] = rng.standard_normal(arr[:, :, :b].shape).astype(arr.dtype)
-            keep = np.sort(rng.choice(n, size=min(b, n), replace=False))
-            gen.cache[f"pos_{i}"][:, :, : keep.size] = keep
-            gen.state.fills[i] = int(keep.size)
-        gen.next_pos = np.full(gen.batch, n, np.int64)
-        gen.last_logits = np.zeros((gen.batch, 1), np.float32)
+        stream = Stream.resume(gen, gen.synthesize(n, rng))
         log.clear()
-        tok, toks = 5, []
         t0 = time.perf_counter()
-        for _ in range(spec["steps"]):
-            tok = int(gen.decode(tok).argmax(-1)[0])
-            toks.append(tok)
+        res = generate_from(stream, first, spec["steps"] + 1)
         ends = [e for g, _, e in log if g == gen.decode_graph]
-        return {"prefill_s": None, "decode_ms": (np.diff(np.array([t0, *ends])) * 1e3).tolist(), "tokens": toks[:16],
-                "cache_bytes": int(gen.current_cache_bytes()), "resident_bytes": gen.resident_bytes(),
-                "compactions": int(gen.compactions), "synthesized": True}
+        return {"prefill_s": None, "decode_ms": (np.diff(np.array([t0, *ends])) * 1e3).tolist(),
+                "tokens": [int(x) for x in res.tokens[0, 1:17]], "cache_bytes": int(res.cache_bytes),
+                "resident_bytes": res.resident_bytes, "compactions": int(res.compactions), "synthesized": True}
 
     return cell
 

@@ -118,7 +118,7 @@ def kvx_export(row: Row, shape: Shape, cache: Path, log=print, rebuild: bool = F
     if not rebuild and (out / "manifest.json").is_file():
         try:
             from kvexport.export.exporter import KIND
-            from kvexport.export.manifest import verify_manifest
+            from kvexport.manifest import verify_manifest
 
             verify_manifest(out, KIND)
             return out, None

@@ -32,7 +32,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvexport.profile.kv_bytes import CacheShape
+from kvexport.cache.memory import CacheShape
+from kvexport.cache.plan import DEFAULT_WINDOW
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ class Shape:
     vocab: int
     max_positions: int
     budget: int = 256
-    window: int = 32
+    window: int = DEFAULT_WINDOW
     chunk: int = 128
     mla_rank: int = 128
     rope_dim: int = 32
@@ -113,7 +114,7 @@ class Shape:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def cache_shape(self, row: Row, dtype_bytes: int = 4, capacity: int | None = None) -> CacheShape:
-        """Analytic cache layout of ``row`` on this shape (kvexport.profile.kv_bytes); ``capacity``: a static full
+        """Analytic cache layout of ``row`` on this shape (kvexport.cache.memory); ``capacity``: a static full
         cache's slots."""
         return CacheShape(num_layers=self.layers, num_kv_heads=self.kv_heads, head_dim=self.head_dim,
                           mla_ranks=(self.mla_rank,) * self.layers if row.mla else None,

@@ -5,7 +5,7 @@ Python's default SIGTERM handler ends the process at once, without running ``fin
 ``except BaseException`` clean-ups, so a ``kill`` during ``kvexport export`` would leave the temporary
 sibling of ``--out`` behind. :func:`interrupts_raise` turns those signals into :class:`Interrupted`
 (a :class:`KeyboardInterrupt`, like Ctrl-C), so every writer that cleans up on ``BaseException``
-(:func:`kvexport.export.manifest.atomic_output`, :func:`kvexport.mla.io.save_mla`, ...) also cleans up
+(:func:`kvexport.manifest.atomic_output`, :func:`kvexport.mla.io.save_mla`, ...) also cleans up
 on ``kill``. Only the first signal raises; further ones arriving during the clean-up are remembered
 and ignored, so a second ``kill`` cannot interrupt the removal of a half-written directory.
 

@@ -99,7 +99,7 @@ def bench_latent(torch, lib, timer, grid=None, device: str = "cuda") -> list[dic
     """Rows of the LatentAttention grid; ``timer(fn)`` -> seconds of one fn() (CUDA events on the GPU)."""
     from kvexport.cache.formats import FORMATS
     from kvexport.cache.quant import quantize
-    from kvexport.export.ops import LATENT_FORMATS, latent_attention_reference
+    from kvexport.ops.latent_attention import LATENT_FORMATS, latent_attention_reference
     from tests.plugins.kernel_cases import LATENT_TOL
     from tests.plugins.kernels_lib import poisoned
 
@@ -144,7 +144,7 @@ def bench_latent(torch, lib, timer, grid=None, device: str = "cuda") -> list[dic
 
 def bench_topk(torch, lib, timer, shapes=None, device: str = "cuda") -> list[dict]:
     """Rows of the TopKGather shapes, each checked for the exact kept set."""
-    from kvexport.export.ops import topk_gather
+    from kvexport.ops.topk_gather import topk_gather
 
     rows = []
     for label, B, H, S, k, Dk, Dv, dname in shapes if shapes is not None else TOPK_SHAPES:

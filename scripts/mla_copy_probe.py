@@ -27,9 +27,10 @@ import torch
 from kvexport.eval.data import heldout_windows, train_tokens
 from kvexport.eval.tasks import TaskSet, TaskSettings, evaluate_tasks
 from kvexport.mla import MLASettings, max_kv_rank, rewrite_to_mla
+from kvexport.mla.io import load_decoder
 from kvexport.mla.recall_data import copy_augment
 from kvexport.mla.split import kl_to
-from kvexport.models.loading import load_decoder, load_tokenizer
+from kvexport.models.loading import load_tokenizer
 from kvexport.paths import DEFAULT_MODEL
 
 

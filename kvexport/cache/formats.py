@@ -72,6 +72,16 @@ FORMATS = {
 }
 
 
+#: every element-type name kvexport reads (``--dtype`` of the accounting, a manifest's dtype) -> its format's name
+DTYPE_NAMES = {"float32": "fp32", "fp32": "fp32", "float16": "fp16", "fp16": "fp16", "bfloat16": "bf16", "bf16": "bf16",
+               "int8": "int8", "fp8": "fp8"}
+
+
+def element_bytes(dtype: str) -> int:
+    """Bytes of one element of ``dtype`` (any name of :data:`DTYPE_NAMES`)."""
+    return FORMATS[DTYPE_NAMES[dtype]].element_bytes
+
+
 def kv_format(name: str | KVFormat | None, default: str = "fp32") -> KVFormat:
     """A ``--kv-dtype`` name (None: ``default``, the model's dtype) -> its :class:`KVFormat`; one line if unknown."""
     if isinstance(name, KVFormat):
@@ -82,9 +92,21 @@ def kv_format(name: str | KVFormat | None, default: str = "fp32") -> KVFormat:
     return FORMATS[key]
 
 
+def storage_numpy(fmt: KVFormat):
+    """The NumPy element type of a format's stored K/V (ml_dtypes' bfloat16 for bf16)."""
+    if fmt.numpy == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    import numpy as np
+
+    return np.dtype(fmt.numpy).type
+
+
 def layer_fields(value_dim: int, fmt: KVFormat) -> tuple[str, ...]:
     """The cache tensors of one layer, in graph order: ``k``, ``v``, ``pos``, then the scales."""
     return ("k", "v", "pos", *fmt.scale_fields(value_dim))
 
 
-__all__ = ["KV_DTYPES", "SCALE_BYTES", "KVFormat", "FORMATS", "kv_format", "layer_fields"]
+__all__ = ["KV_DTYPES", "SCALE_BYTES", "KVFormat", "FORMATS", "DTYPE_NAMES", "element_bytes", "kv_format", "layer_fields",
+           "storage_numpy"]

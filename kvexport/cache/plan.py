@@ -4,7 +4,7 @@ slots are padding, which queries observe, how positions advance.
 
 Every runtime is a thin driver of this module: the PyTorch cache (:mod:`kvexport.cache.static_cache`), the
 exported graphs (:mod:`kvexport.export.graphs`, through :mod:`kvexport.cache.candidates`) and the host loops
-of onnxruntime and TensorRT (:class:`kvexport.export.runtime.OrtGenerator`). None of them computes a slot, a
+of onnxruntime and TensorRT (:class:`kvexport.runtime.host.GraphHost`). None of them computes a slot, a
 fill count, a chunk boundary or a ring index itself; they ask a :class:`CacheState`.
 
 Layout of layer i, capacity ``cap_i = budget_i + window``::
@@ -62,6 +62,13 @@ from kvexport.errors import BadUsage
 
 #: rule 7: the fewest slots a bucketed full cache holds
 MIN_BUCKET = 256
+#: rules 4 and 5: decode slots (and observation queries) an evicting cache keeps beside its budget, unless told
+DEFAULT_WINDOW = 32
+
+
+def capacities(budgets, window: int) -> tuple[int, ...]:
+    """Slots per layer of an evicting cache: its budget plus ``window`` decode slots (rules 4 and 5)."""
+    return tuple(int(b) + int(window) for b in budgets)
 
 
 def bucket_slots(rows: int, capacity: int, floor: int = MIN_BUCKET) -> int:
@@ -148,6 +155,17 @@ class CachePlan:
             raise BadUsage("only a full cache with one capacity for every layer is held in buckets")
 
     @classmethod
+    def for_press(cls, evicting: bool, budgets, window: int, chunk: int | None = None,
+                  lookahead: int = 0) -> "CachePlan":
+        """The plan of a cache made with or without a press: ``budgets`` kept and ``window`` decode slots (evicting),
+        or a full cache of ``budgets + window`` slots that never evicts (its window then 0). ``lookahead``: the
+        prompt's last columns that observe each earlier chunk (rule 3b; evicting only, ignored without a press)."""
+        budgets = tuple(int(b) for b in budgets)
+        if evicting:
+            return cls(budgets, int(window), True, chunk, lookahead=int(lookahead))
+        return cls(capacities(budgets, window), 0, False, chunk)
+
+    @classmethod
     def from_settings(cls, settings: dict) -> "CachePlan":
         """The plan of a static export (manifest ``settings``)."""
         evicting = settings.get("press") is not None
@@ -162,7 +180,7 @@ class CachePlan:
 
     @property
     def capacities(self) -> tuple[int, ...]:
-        return tuple(b + self.window for b in self.budgets)
+        return capacities(self.budgets, self.window)
 
     def slots_for(self, rows: int) -> int:
         """Rule 7. Slots per layer held for ``rows`` tokens: the bucket, or the capacity when not bucketed."""
@@ -232,6 +250,16 @@ class CacheState:
         self.steps = 0
         self.compactions = 0
 
+    def load(self, fills) -> None:
+        """A cache already holding ``fills`` tokens per layer, as a prefill leaves it (at most each budget): a
+        benchmark's synthesised cache starts decoding from here."""
+        fills = [int(f) for f in fills]
+        if len(fills) != self.plan.num_layers or any(f < 0 or f > b for f, b in zip(fills, self.plan.budgets,
+                                                                                  strict=True)):
+            raise BadUsage(f"fills {fills} do not fit the budgets {list(self.plan.budgets)}")
+        self.reset()
+        self.fills = fills
+
     def prefill(self, n_real: int) -> PrefillStep:
         """Rule 3, for a chunk of ``n_real`` real columns."""
         if self.steps:
@@ -282,4 +310,4 @@ class CacheState:
 
 
 __all__ = ["CachePlan", "CacheState", "CacheFull", "Chunk", "PrefillStep", "DecodeStep", "positions_from_mask",
-           "next_positions", "ring_order", "bucket_slots", "MIN_BUCKET"]
+           "next_positions", "ring_order", "bucket_slots", "capacities", "MIN_BUCKET", "DEFAULT_WINDOW"]

@@ -16,38 +16,14 @@ Memory is fixed when the cache is made.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kvexport.cache.candidates import gather_slots, keep_best, select_kept, topk_gather_reference
 from kvexport.cache.formats import KVFormat, kv_format
+from kvexport.cache.memory import measure
 from kvexport.cache.plan import CachePlan, CacheState, ring_order
 from kvexport.cache.quant import QuantizedRows, decode, encode, storage_dtype
 from kvexport.errors import BadUsage
-
-
-@dataclass
-class ScoreContext:
-    """What a press needs from the layer besides the cache: query rotation, softmax scale, sliding window."""
-
-    rotary: object  # kvexport.models.rope.Rotary (or MLA's partial rotary)
-    scaling: float
-    layer_idx: int
-    num_layers: int
-    sliding_window: int | None = None
-
-    def inputs(self, n_keep: int, observers_are_candidates: bool = True):
-        """-> make_inputs(k, v, pos, queries, q_positions) for :func:`~kvexport.cache.candidates.keep_best`."""
-        from kvexport.presses.base import ScoreInputs
-
-        def make(k, v, pos, queries, q_positions):
-            return ScoreInputs(keys=k, values=v, positions=pos, queries=queries, query_positions=q_positions,
-                               rotary=self.rotary, scaling=self.scaling, layer_idx=self.layer_idx,
-                               num_layers=self.num_layers, n_keep=n_keep, sliding_window=self.sliding_window,
-                               observers_are_candidates=observers_are_candidates)
-
-        return make
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -63,9 +39,9 @@ class LayerCache:
     :meth:`view`, always in the model's ``dtype``."""
 
     def __init__(self, batch, heads, key_dim, value_dim, q_heads, q_dim, budget, window, dtype, device, ctx,
-                 evicting: bool = True, kv_dtype: str | None = None):
+                 evicting: bool = True, kv_dtype: str | None = None, capacity: int | None = None):
         self.budget, self.window = int(budget), int(window)
-        self.capacity = self.budget + (self.window if evicting else 0)
+        self.capacity = int(capacity)  # the plan's (kvexport.cache.plan.CachePlan.capacities)
         self.dtype = dtype
         self.reads_quantized = False  # the attention module takes QuantizedRows (set by StaticCache.set_kv_dtype)
         self._alloc(batch, heads, key_dim, value_dim, device, kv_format(kv_dtype, dtype_name(dtype)))
@@ -286,18 +262,19 @@ class StaticCache:
                 self.on_compaction(f"decode:{self.state.steps - 1}")
 
     # ------------------------------------------------------------------ accounting
+    def buffers(self):
+        """Every buffer of this cache as (graph name, tensor): ``k_i``, ``v_i``, ``pos_i``, ``qbuf_i``, the scales
+        ``ks_i`` / ``vs_i`` of a quantized format, and the ring's ``qpos``."""
+        for i, ly in enumerate(self.layers):
+            yield from ((f"{name}_{i}", t) for name, t in (("k", ly.k), ("v", ly.v), ("ks", ly.ks), ("vs", ly.vs),
+                                                            ("pos", ly.pos), ("qbuf", ly.qbuf)) if t is not None)
+        yield "qpos", self.qpos
+
     def resident_bytes(self) -> dict[str, int]:
-        """Bytes every buffer of this cache holds, by kind (``kv``: K/V or latent storage, ``scales``: their float16
-        scales (quantized formats), ``positions``, ``queries`` / ``query_positions``: the ring; ``total``)."""
-        out = {"kv": 0, "scales": 0, "positions": 0, "queries": 0,
-               "query_positions": self.qpos.numel() * self.qpos.element_size()}
-        for ly in self.layers:
-            out["kv"] += ly.k.numel() * ly.k.element_size() + ly.v.numel() * ly.v.element_size()
-            out["scales"] += sum(t.numel() * t.element_size() for t in (ly.ks, ly.vs) if t is not None)
-            out["positions"] += ly.pos.numel() * ly.pos.element_size()
-            out["queries"] += ly.qbuf.numel() * ly.qbuf.element_size()
-        out["total"] = sum(out.values())
-        return out
+        """Bytes every buffer of this cache holds, by kind (:func:`kvexport.cache.memory.measure`: ``kv``: K/V or
+        latent storage, ``scales``: their float16 scales (quantized formats), ``positions``, ``queries`` /
+        ``query_positions``: the ring; ``total``)."""
+        return measure(self.buffers())
 
     def nbytes(self) -> int:
         """Bytes of the K/V buffers alone."""

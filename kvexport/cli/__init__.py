@@ -3,31 +3,7 @@
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
-
-import typer
-
-app = typer.Typer(
-    name="kvexport",
-    help="Turn a Hugging Face causal LM into a model with a small, fixed-size KV cache, exported for "
-    "NVIDIA GPUs and Jetson (static-budget eviction, MLA latent caches, ONNX + TensorRT plugins).",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    # plain click help: flags show no value placeholder (rich help printed `--force <bool>`), and --help
-    # imports nothing beyond typer
-    rich_markup_mode=None,
-)
-
-
-@app.callback()
-def _root(
-    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks instead of one-line errors."),
-) -> None:
-    """kvexport: static-budget and latent KV caches, exported."""
-
 
 # subcommand modules register themselves on import
 from kvexport.cli import (  # noqa: E402,F401
@@ -41,6 +17,8 @@ from kvexport.cli import (  # noqa: E402,F401
     serve_cmd,
     trt_cmds,
 )
+from kvexport.cli.app import app
+from kvexport.quiet import quiet_libraries
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,18 +85,6 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return InternalError.exit_code
     return 0
-
-
-def quiet_libraries() -> None:
-    """No progress bars or chatter from the libraries kvexport drives: transformers' ``Loading weights`` bar
-    (it reads HF_HUB_DISABLE_PROGRESS_BARS when imported; switched off directly when already imported) and
-    accelerate's ``Removed shared tensor`` warning when a checkpoint of a model with tied weights is saved."""
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    if "transformers" in sys.modules:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-    logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
 
 
 def run() -> None:

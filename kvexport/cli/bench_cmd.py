@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from kvexport.cli import app
+from kvexport.cli.app import app
 
 
 @app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
@@ -15,13 +15,15 @@ def bench_cmd(ctx: typer.Context) -> None:
 
     Every argument goes to `python -m benchmarks` (its options: `kvexport bench --help`). Needs a source
     checkout (the benchmarks/ folder)."""
+    import importlib.util
+
     from kvexport.errors import BadUsage
 
-    try:
-        from benchmarks.__main__ import main
-    except ImportError:
+    if importlib.util.find_spec("benchmarks") is None:
         raise BadUsage("kvexport bench runs from a source checkout: the benchmarks/ package is not importable "
-                       "here (run it from the repository root)") from None
+                       "here (run it from the repository root)")
+    from benchmarks.__main__ import main
+
     rc = main(list(ctx.args))
     if rc:
         raise typer.Exit(rc)

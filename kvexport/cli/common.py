@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvexport.errors import BadUsage
-from kvexport.paths import DEFAULT_MODEL
 
 if TYPE_CHECKING:
     import torch
@@ -19,32 +18,6 @@ PRESS_HELP = (
     "Eviction press: streaming_llm, knorm, keydiff, tova, snapkv, pyramidkv, expected_attention, "
     "observed_attention, random ('optimal' needs future queries: evaluation only); 'none' keeps every token."
 )
-
-
-def resolve_model(model: str | None) -> str:
-    """A command's model argument -> the directory it loads: None -> the bundled reference student; a ``.gguf``
-    file -> its HF directory (:func:`kvexport.models.gguf.model_dir`: an unsupported architecture is refused before
-    anything is written); a directory unchanged."""
-    if model is None:
-        if not DEFAULT_MODEL.exists():
-            raise BadUsage(f"no MODEL given and the bundled model {DEFAULT_MODEL} is missing")
-        return str(DEFAULT_MODEL)
-    from kvexport.models.gguf import model_dir
-
-    return str(model_dir(model))
-
-
-def build_press(press: str | None, budget: int | None, ratio: float | None):
-    """CLI press options -> a press object, or None for 'none'."""
-    from kvexport.presses import make_press
-
-    if press in (None, "none"):
-        if budget is not None or ratio is not None:
-            raise BadUsage("--budget/--ratio need a --press (accepted: a press name, not 'none')")
-        return None
-    if budget is None and ratio is None:
-        raise BadUsage(f"--press {press} needs --budget N (tokens kept) or --ratio R in [0, 1)")
-    return make_press(press, compression_ratio=ratio, budget=budget)
 
 
 def encode_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,3 +58,7 @@ def cache_summary(resident: dict[str, int]) -> str:
     kv, scales = resident["kv"] / 1024, resident.get("scales", 0) / 1024
     parts = f" (K/V {kv:.1f} + scales {scales:.1f})" if scales else ""
     return f"cache {kv + scales:.1f} KiB{parts}, {resident['total'] / 1024:.1f} KiB resident"
+
+NEIGHBORS_HELP = "A kept token keeps this many neighbours on each side (ScorerPress.neighbors; 0: the press's own ranking)."
+LOOKAHEAD_HELP = ("The prompt's last L tokens observe every earlier prefill chunk (kvexport.cache.plan rule 3b; 0: each "
+                  "chunk observes itself). A press that observes, with --chunk.")

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from kvexport.cli import app
+from kvexport.cli.app import app
 
 
 @app.command("convert")
@@ -24,6 +24,12 @@ def convert_cmd(
                                         "keeps every token)."),
     budget: Optional[int] = typer.Option(None, "--budget", help="Tokens kept per layer after each compaction."),
     window: Optional[int] = typer.Option(None, "--window", help="Decode slots between compactions."),
+    neighbors: Optional[int] = typer.Option(None, "--neighbors", help="A kept token keeps this many neighbours on "
+                                            "each side (0: the press's own ranking; default 3 with no compression "
+                                            "flags)."),
+    lookahead: Optional[int] = typer.Option(None, "--lookahead", help="The prompt's last L tokens observe every "
+                                            "earlier prefill chunk (0: each chunk observes itself; default 64 with "
+                                            "no compression flags)."),
     chunk: Optional[int] = typer.Option(None, "--chunk", help="Prefill chunk length of the exported graph."),
     max_positions: Optional[int] = typer.Option(None, "--max-positions", help="Without a press: the static "
                                                 "cache's capacity, the longest context (default: the model's)."),
@@ -51,6 +57,14 @@ def convert_cmd(
                                                   "next-token agreement with the original model is below this."),
     max_ppl_increase: Optional[float] = typer.Option(None, "--max-ppl-increase", help="Fail the validate stage "
                                                      "when perplexity rises by more than this (0.05 = +5 %)."),
+    choose: bool = typer.Option(False, "--choose", help="Choose the press, budget and cache format by measured "
+                                "fidelity: the smallest cache meeting --min-agreement (default 0.9), "
+                                "--max-ppl-increase (0.1) and --min-recall (0.9) on calibration text "
+                                "(DIR/choice.json; minutes to an hour on a CPU)."),
+    min_recall: Optional[float] = typer.Option(None, "--min-recall", help="With --choose: passkey recall to keep, "
+                                               "as a fraction of the original model's (default 0.9)."),
+    choose_context: Optional[int] = typer.Option(None, "--choose-context", help="With --choose: the context "
+                                                 "(tokens) candidates are measured at (default 4096)."),
     fidelity: Optional[bool] = typer.Option(None, "--fidelity/--no-fidelity", help="Measure what compression "
                                             "costs against the original model while validating (default on)."),
     allow_partial: bool = typer.Option(False, "--allow-partial",
@@ -61,9 +75,10 @@ def convert_cmd(
 ) -> None:
     """Convert a model in one go: load -> rewrite -> (distill) -> export -> (engine) -> validate -> profile -> report.
 
-    With no compression flags it applies the showcase settings (SnapKV, budget 256, window 32, MLA at 2x per
-    token with d_rope = head_dim: the studies' best trade-off, docs/mla.md). Any compression flag selects exactly
-    what is given. DIR/convert.json reproduces the run with --config.
+    With no compression flags it applies the defaults chosen on a real model (SmolLM2-135M-Instruct,
+    docs/sweep.md): SnapKV with a lookahead of 64 and 3 neighbours, budget 2048, window 32, chunk 512, an int8
+    cache, no MLA. Any compression flag selects exactly what is given. DIR/convert.json reproduces the run with
+    --config.
     """
     from rich.console import Console
 
@@ -75,13 +90,14 @@ def convert_cmd(
         raise BadUsage("--out DIR is required (where the conversion is written)")
     base = ConvertConfig.from_file(config) if config is not None else ConvertConfig()
     flags = dict(model=model, mla_rank=mla_rank, mla_energy=mla_energy, rope_dim=rope_dim, press=press,
-                 budget=budget, window=window, chunk=chunk, max_positions=max_positions,
+                 budget=budget, window=window, neighbors=neighbors, lookahead=lookahead, chunk=chunk, max_positions=max_positions,
                  distill_teacher=distill_teacher,
                  distill_data=str(distill_data) if distill_data is not None else None,
                  distill_tokens=distill_tokens, target=target, fp16=fp16, kv_dtype=kv_dtype, validate=validate, profile=profile,
                  baseline=baseline, contexts=contexts, decode_steps=decode_steps, validate_steps=validate_steps,
                  repeats=repeats, eval_data=eval_data, min_agreement=min_agreement,
-                 max_ppl_increase=max_ppl_increase, fidelity=fidelity, allow_partial=True if allow_partial else None)
+                 max_ppl_increase=max_ppl_increase, fidelity=fidelity, choose=True if choose else None,
+                 min_recall=min_recall, choose_context=choose_context, allow_partial=True if allow_partial else None)
     cfg = base.merged(flags)
     console = Console(stderr=True)
     cj = run_convert(cfg, out, force=force, console=console)
@@ -92,7 +108,7 @@ def convert_summary(out: Path, cj: dict) -> str:
     """The last line of ``kvexport convert``: where, how long, what was written, what compression cost."""
     import json
 
-    from kvexport.convert import layout
+    from kvexport import layout
     from kvexport.report.sections import fidelity_summary, profile_warnings
 
     total = sum(s["seconds"] for s in cj["stages"])
@@ -136,9 +152,9 @@ def profile_cmd(
     from rich.console import Console
     from rich.table import Table
 
-    from kvexport.cli.progress import StepProgress, stdout_console
     from kvexport.convert.config import parse_contexts
-    from kvexport.convert.layout import read_convert_json
+    from kvexport.convert.progress import StepProgress, stdout_console
+    from kvexport.layout import read_convert_json
     from kvexport.profile.run import profile_dir, profile_target
 
     console = Console(stderr=True)

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from kvexport.cli import app
+from kvexport.cli.app import app
 
 eval_app = typer.Typer(help="Quality studies on a trained model (held-out Python stdlib text).", no_args_is_help=True,
                        rich_markup_mode=None)
@@ -142,12 +142,13 @@ def presses_cmd(
     in the JSON ("metrics") and docs/studies.md."""
     from rich.console import Console
 
-    from kvexport.cli.common import resolve_model
     from kvexport.errors import BadUsage
     from kvexport.eval.data import heldout_windows, prose_windows
     from kvexport.eval.plots import plot_press_study
     from kvexport.eval.press_study import STUDY_PRESSES, PressStudy, press_study
-    from kvexport.models.loading import load_decoder, load_tokenizer
+    from kvexport.mla.io import load_decoder
+    from kvexport.models.gguf import resolve_model
+    from kvexport.models.loading import load_tokenizer
 
     presses = presses or ",".join(STUDY_PRESSES)
     console = _console()
@@ -228,9 +229,9 @@ def mla_cmd(
     the original student is the dashed baseline."""
     from rich.console import Console
 
-    from kvexport.cli.common import resolve_model
     from kvexport.eval.mla_study import DEFAULT_CACHE, DistillSettings, MLAStudy, mla_study
     from kvexport.eval.plots import plot_mla_study
+    from kvexport.models.gguf import resolve_model
     from kvexport.paths import MODELS_DIR
 
     console = _console()
@@ -286,9 +287,9 @@ def combo_cmd(
     `kvexport eval mla`)."""
     from rich.console import Console
 
-    from kvexport.cli.common import resolve_model
     from kvexport.eval.combo import combo_study
     from kvexport.eval.mla_study import DEFAULT_CACHE, DistillSettings
+    from kvexport.models.gguf import resolve_model
     from kvexport.presses import PRESSES
 
     if press not in PRESSES or press == "optimal":

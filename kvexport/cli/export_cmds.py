@@ -8,8 +8,10 @@ from typing import Optional
 
 import typer
 
-from kvexport.cli import app
-from kvexport.cli.common import PRESS_HELP, resolve_model
+from kvexport.cache.plan import DEFAULT_WINDOW
+from kvexport.cli.app import app
+from kvexport.cli.common import LOOKAHEAD_HELP, NEIGHBORS_HELP, PRESS_HELP
+from kvexport.models.gguf import resolve_model
 
 
 @app.command("export")
@@ -19,7 +21,9 @@ def export_cmd(
     out: Path = typer.Option(..., "--out", "-o", help="Output directory (written atomically)."),
     press: str = typer.Option("none", help=PRESS_HELP + " Not exportable: random, optimal."),
     budget: Optional[int] = typer.Option(None, help="Tokens kept per layer and cache head after each compaction."),
-    window: int = typer.Option(32, help="Decode slots appended before the next compaction (capacity = budget + window)."),
+    window: int = typer.Option(DEFAULT_WINDOW, help="Decode slots appended before the next compaction (capacity = budget + window)."),
+    neighbors: int = typer.Option(0, "--neighbors", help=NEIGHBORS_HELP),
+    lookahead: int = typer.Option(0, "--lookahead", help=LOOKAHEAD_HELP),
     mla_rank: Optional[int] = typer.Option(None, "--mla-rank", help="Rewrite to MLA with this latent rank r_kv first."),
     rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help="MLA decoupled RoPE width d_rope (default 32)."),
     batch: int = typer.Option(1, help="Static batch size of the graphs."),
@@ -45,17 +49,21 @@ def export_cmd(
     force: bool = typer.Option(False, "--force", help="Replace a non-empty --out."),
 ) -> None:
     """Export to ONNX: prefill-chunk, decode and compaction graphs with fixed-shape caches."""
-    from kvexport.cli.progress import StepProgress, stdout_console
+    from kvexport.convert.progress import StepProgress, stdout_console
     from kvexport.export import export_model
-    from kvexport.export.manifest import read_manifest
+    from kvexport.manifest import read_manifest
 
     console = _stderr()
     with StepProgress(console, f"exporting {out}") as p:
         kw = {"progress": p.callback} if p.callback else {}
-        path = export_model(resolve_model(model), out, press=press, budget=budget, window=window, mla_rank=mla_rank,
+        from kvexport.presses import build_press
+
+        p_obj = build_press(press, budget, None, neighbors) if neighbors else press
+        path = export_model(resolve_model(model), out, press=p_obj, budget=budget, window=window, mla_rank=mla_rank,
                             rope_dim=rope_dim, batch=batch, chunk=chunk, dtype=dtype, ops=ops,
                             dynamic_cache=dynamic_cache, force=force, max_positions=max_positions,
-                            decode_batch=decode_batch, kv_dtype=kv_dtype, inplace_decode=inplace_decode, **kw)
+                            decode_batch=decode_batch, kv_dtype=kv_dtype, inplace_decode=inplace_decode,
+                            lookahead=lookahead, **kw)
     files = ", ".join(sorted(read_manifest(path)["files"]))
     stdout_console().print(f"exported to {path} in {p.elapsed:.1f}s: {files}", highlight=False)
 
@@ -88,12 +96,12 @@ def validate_cmd(
 ) -> None:
     """Compare the ONNX graphs (onnxruntime, optionally TensorRT) with the PyTorch model; writes parity.json,
     exit 6 on failure."""
-    from kvexport.cli.progress import StepProgress, stdout_console
-    from kvexport.convert import layout
+    from kvexport import layout
     from kvexport.convert.config import fidelity_kwargs
+    from kvexport.convert.progress import StepProgress, stdout_console
     from kvexport.errors import ParityFailure
+    from kvexport.export.fidelity import gate_failure
     from kvexport.export.validation import validate
-    from kvexport.report.sections import fidelity_gate_failure
 
     conversion = layout.is_conversion(directory)
     export = directory / layout.ONNX_DIR if conversion else directory
@@ -125,7 +133,7 @@ def validate_cmd(
     failed = [n for n, p in rep["pairs"].items() if not p["passed"]]
     if failed:
         raise ParityFailure(f"{', '.join(failed)} outside tolerance; details in {target}")
-    gate = fidelity_gate_failure(rep.get("fidelity"))
+    gate = gate_failure(rep.get("fidelity"))
     if gate:
         raise ParityFailure(f"{gate}; details in {target}")
 
@@ -163,7 +171,7 @@ def _stderr():
 def generation_dir(d: Path) -> Path:
     """The export to generate from: ``d`` itself, ``d/onnx`` for a conversion; a folder of engines or an MLA
     model is refused with the command that takes it."""
-    from kvexport.convert import layout
+    from kvexport import layout
     from kvexport.errors import BadUsage
 
     if layout.is_conversion(d):
@@ -182,9 +190,9 @@ def open_generator(directory: Path, backend: str = "onnxruntime", engines: Path 
     if backend == "onnxruntime":
         if engines is not None:
             raise BadUsage("--engines is for --backend tensorrt")
-        from kvexport.export.runtime import OrtGenerator
+        from kvexport.runtime.onnxruntime import open_onnxruntime
 
-        return OrtGenerator(directory)
+        return open_onnxruntime(directory)
     if backend == "tensorrt":
         from kvexport.tensorrt.generator import TrtGenerator
 

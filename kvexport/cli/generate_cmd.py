@@ -9,8 +9,11 @@ from typing import Optional
 
 import typer
 
-from kvexport.cli import app
-from kvexport.cli.common import PRESS_HELP, build_press, cache_summary, encode_prompts, read_prompt_file, resolve_model
+from kvexport.cache.plan import DEFAULT_WINDOW
+from kvexport.cli.app import app
+from kvexport.cli.common import (LOOKAHEAD_HELP, NEIGHBORS_HELP, PRESS_HELP, cache_summary, encode_prompts,
+                                 read_prompt_file)
+from kvexport.models.gguf import resolve_model
 
 DEFAULT_BUDGET = 256
 
@@ -26,8 +29,10 @@ def generate_cmd(
     budget: Optional[int] = typer.Option(None, help=f"Tokens kept per layer and KV head after each compaction "
                                          f"(default {DEFAULT_BUDGET} with a press)."),
     ratio: Optional[float] = typer.Option(None, help="Instead of --budget: fraction of the prompt to evict, in [0, 1)."),
-    window: int = typer.Option(32, help="Recent-token slots appended while decoding before the next compaction."),
+    window: int = typer.Option(DEFAULT_WINDOW, help="Recent-token slots appended while decoding before the next compaction."),
     chunk: Optional[int] = typer.Option(None, help="Prefill in chunks of this many tokens (bounded peak memory)."),
+    neighbors: int = typer.Option(0, "--neighbors", help=NEIGHBORS_HELP),
+    lookahead: int = typer.Option(0, "--lookahead", help=LOOKAHEAD_HELP),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", help="Tokens to generate."),
     dtype: str = typer.Option("fp32", help="fp32, fp16 or bf16."),
     kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="How the cache stores K/V: fp32, fp16, bf16, "
@@ -41,8 +46,9 @@ def generate_cmd(
 
     from kvexport.errors import BadUsage
     from kvexport.generation import generate
-    from kvexport.mla.io import is_mla_dir, verify_mla_files
-    from kvexport.models.loading import check_model_dir, load_decoder, load_tokenizer
+    from kvexport.mla.io import is_mla_dir, load_decoder, verify_mla_files
+    from kvexport.models.loading import check_model_dir, load_tokenizer
+    from kvexport.presses import build_press
 
     console = Console()
     if press not in (None, "none") and budget is None and ratio is None:
@@ -66,7 +72,9 @@ def generate_cmd(
         verify_mla_files(model_path)
     else:
         check_model_dir(model_path)
-    p = build_press(press, budget, ratio)
+    p = build_press(press, budget, ratio, neighbors)
+    if lookahead and chunk is None:
+        raise BadUsage("--lookahead observes earlier prefill chunks: give --chunk C too")
     if kv_dtype is not None:
         from kvexport.cache.formats import kv_format
 
@@ -76,7 +84,7 @@ def generate_cmd(
     decoder, _ = load_decoder(model_path, dtype)
     t0 = time.perf_counter()
     res = generate(decoder, ids, mask, press=p, window=window, chunk=chunk, max_new_tokens=max_new_tokens,
-                   eos_token_id=tok.eos_token_id, kv_dtype=kv_dtype)
+                   eos_token_id=tok.eos_token_id, kv_dtype=kv_dtype, lookahead=lookahead)
     dt = time.perf_counter() - t0
     for i in range(ids.shape[0]):
         console.print(f"[bold]{prompts[i][:60]!r}[/] -> {tok.decode(res.tokens[i].tolist())!r}", highlight=False)

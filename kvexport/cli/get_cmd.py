@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from kvexport.cli import app
+from kvexport.cli.app import app
 
 
 @app.command("get")

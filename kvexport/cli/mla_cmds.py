@@ -9,8 +9,9 @@ from typing import Optional
 
 import typer
 
-from kvexport.cli import app
-from kvexport.cli.common import resolve_model
+from kvexport.cache.plan import DEFAULT_WINDOW
+from kvexport.cli.app import app
+from kvexport.models.gguf import resolve_model
 
 RANK_HELP = "MLA latent rank r_kv (every layer)."
 ENERGY_HELP = "Instead of --mla-rank: per-layer rank = smallest with cumulative σ² >= δ (0 < δ <= 1), rounded up to 8."
@@ -97,9 +98,9 @@ def rewrite_cmd(
 
     from kvexport.errors import BadUsage
     from kvexport.mla.accounting import cache_report
-    from kvexport.mla.io import save_mla
+    from kvexport.mla.io import load_decoder, save_mla
     from kvexport.mla.rewrite import rewrite_to_mla
-    from kvexport.models.loading import load_decoder, load_tokenizer
+    from kvexport.models.loading import load_tokenizer
 
     settings = _settings(mla_rank, mla_energy, rope_dim, rope_init, q_rank, naive, kv_fit, rope_horizon,
                          equalize_latent)
@@ -129,7 +130,7 @@ def inspect_cmd(
     mla_energy: Optional[float] = typer.Option(None, "--mla-energy", help=ENERGY_HELP + " Loads the weights."),
     rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help=ROPE_HELP + " Default 32 with an MLA rank."),
     budget: Optional[int] = typer.Option(None, "--budget", help="Static eviction budget (tokens kept per layer)."),
-    window: int = typer.Option(32, "--window", help="Decode window slots on top of --budget."),
+    window: int = typer.Option(DEFAULT_WINDOW, "--window", help="Decode window slots on top of --budget."),
     context: int = typer.Option(4096, "--context", help="Sequence length for the per-sequence numbers."),
     cache_dtype: Optional[str] = typer.Option(None, "--dtype", help="Cache element type (default: the model's)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
@@ -154,8 +155,8 @@ def inspect_cmd(
         settings = _settings(mla_rank, mla_energy, rope_dim)
         settings.check_model(spec.head_dim, spec.hidden_size, spec.num_kv_heads, spec.qk_norm)
         if mla_energy is not None:
+            from kvexport.mla.io import load_decoder
             from kvexport.mla.rewrite import rewrite_to_mla
-            from kvexport.models.loading import load_decoder
 
             dec, _ = load_decoder(model)
             ranks = [p.kv_rank for p in rewrite_to_mla(dec, settings).mla_plans]
@@ -220,8 +221,8 @@ def distill_cmd(
     distill ...` runs the same command data-parallel over processes and machines."""
     from kvexport.errors import BadModel, BadUsage
     from kvexport.mla.distill import DistillConfig, check_out_dir, check_teacher, distill, read_tokens
-    from kvexport.mla.io import is_mla_dir, load_mla, verify_mla_files
-    from kvexport.models.loading import load_decoder, load_tokenizer
+    from kvexport.mla.io import is_mla_dir, load_decoder, load_mla, verify_mla_files
+    from kvexport.models.loading import load_tokenizer
 
     cfg = DistillConfig(tokens=tokens, seq_len=seq_len, batch_size=batch_size, lr=lr, ce_weight=ce_weight,
                         save_every=save_every, seed=seed, warmup=warmup, min_lr=min_lr, copy_fraction=copy_fraction)

@@ -8,7 +8,10 @@ from typing import Optional
 
 import typer
 
-from kvexport.cli import app
+from kvexport.cli.app import app
+
+#: what ``pip install kvexport[serve]`` adds (pyproject.toml)
+SERVE_EXTRA = ("starlette", "uvicorn", "pydantic")
 
 
 @app.command("serve")
@@ -33,12 +36,15 @@ def serve_cmd(
 ) -> None:
     """Serve the OpenAI completions and chat API (streaming and not), with in-flight batching over fixed-size
     cache slots; GET /health, /v1/models and /metrics."""
+    import importlib.util
+
     from kvexport.errors import MissingBackend
 
-    try:
-        from kvexport.serve import serve
-    except ImportError as e:
-        raise MissingBackend(f"kvexport serve needs the serve extra ({e.name} is missing): "
-                             "pip install 'kvexport[serve]'") from None
+    missing = [m for m in SERVE_EXTRA if importlib.util.find_spec(m) is None]
+    if missing:  # the optional extra, in one line; a broken kvexport.serve is an error of its own
+        raise MissingBackend(f"kvexport serve needs the serve extra ({missing[0]} is missing): "
+                             "pip install 'kvexport[serve]'")
+    from kvexport.serve import serve
+
     return serve(directory, host=host, port=port, backend=backend, max_sequences=max_sequences, threads=threads,
                  name=model_name, drain_timeout=drain_timeout, decode=decode)

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from kvexport.cli import app
+from kvexport.cli.app import app
 
 
 @app.command("build-engine")
@@ -31,7 +31,7 @@ def build_engine_cmd(
     from rich.console import Console
 
     from kvexport.errors import BadArtifact, BadUsage
-    from kvexport.export.manifest import MANIFEST, atomic_output, sha256_file, verify_manifest, write_manifest
+    from kvexport.manifest import MANIFEST, atomic_output, sha256_file, verify_manifest, write_manifest
     from kvexport.tensorrt import build_engine, find_onnx_graphs
     from kvexport.tensorrt.backend import import_tensorrt
     from kvexport.tensorrt.engine import write_build_record

@@ -2,13 +2,13 @@
 """``kvexport convert``: one command from a Hugging Face checkpoint to validated, profiled artifacts.
 
 :class:`ConvertConfig` holds and checks the settings, :func:`run_convert` runs the stages
-(:mod:`kvexport.convert.stages`); :mod:`kvexport.convert.layout` says what the output directory holds.
+(:mod:`kvexport.convert.stages`); :mod:`kvexport.layout` says what the output directory holds.
 """
 
 from __future__ import annotations
 
 from kvexport.convert.config import ConvertConfig, parse_contexts
-from kvexport.convert.layout import BASELINE_DIR, CONVERT_JSON, ENGINE_DIR, MLA_DIR, ONNX_DIR, PARITY_JSON, PROFILE_JSON
+from kvexport.layout import BASELINE_DIR, CONVERT_JSON, ENGINE_DIR, MLA_DIR, ONNX_DIR, PARITY_JSON, PROFILE_JSON
 
 
 def run_convert(*args, **kwargs):

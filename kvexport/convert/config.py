@@ -4,11 +4,13 @@
 Rules (checked before any work, each refusal is a :class:`~kvexport.errors.BadUsage` naming the
 reason):
 
-- Compression: when no compression setting is given at all (no press, budget, window, MLA rank or
-  energy), the showcase defaults apply: SnapKV, budget 256, window 32, and the MLA setting the studies
-  measured to keep the model undistilled: d_rope = head_dim and r_kv for a 2x smaller cache per token
-  (docs/mla.md, "Which setting keeps the model"). As soon as one compression setting is given, only what is given
-  is applied (``--press snapkv --budget 256`` = eviction only, ``--mla-rank 64`` = MLA only).
+- Compression: when no compression setting is given at all (no press, budget, window, neighbours, lookahead,
+  MLA rank or energy), the defaults chosen on SmolLM2-135M-Instruct by the real-model sweep apply (docs/sweep.md):
+  SnapKV with a lookahead of 64 columns and 3 neighbours, budget 2048 (a quarter of the model's positions when
+  that is less), window 32, prefill chunk 512, an int8 cache (unless ``--kv-dtype`` says otherwise), no MLA
+  (undistilled MLA loses a real model: docs/sweep.md). As soon as one compression setting is given, only what is
+  given is applied (``--press snapkv --budget 256`` = kvpress's SnapKV, no neighbours or lookahead, the model's
+  cache dtype; ``--mla-rank 64`` = MLA only).
 - ``--press none`` keeps every token (no eviction); ``--budget``/``--window`` then make no sense.
 - ``--mla-rank`` and ``--mla-energy`` exclude each other; ``--rope-dim`` needs one of them.
 - Distillation needs a teacher, data and MLA (it repairs the MLA rewrite).
@@ -26,14 +28,19 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from kvexport.cache.plan import DEFAULT_WINDOW
 from kvexport.errors import BadUsage
 
 TARGETS = ("onnx", "tensorrt")
 BACKENDS = ("onnxruntime", "tensorrt", "pytorch")
 DEFAULT_PRESS = "snapkv"
-DEFAULT_BUDGET = 256
-DEFAULT_WINDOW = 32
-DEFAULT_CHUNK = 64
+#: the default budget: 2048 tokens per layer, or a quarter of the model's positions when that is less
+DEFAULT_BUDGET = 2048
+DEFAULT_CHUNK = 512
+#: the defaults' cache format, lookahead (kvexport.cache.plan rule 3b) and neighbours (ScorerPress.neighbors)
+DEFAULT_KV_DTYPE = "int8"
+DEFAULT_LOOKAHEAD = 64
+DEFAULT_NEIGHBORS = 3
 #: default profile contexts; contexts past the model's position range are dropped at run time
 DEFAULT_CONTEXTS = (512, 2048, 8192)
 DEFAULT_DECODE_STEPS = 32
@@ -44,7 +51,7 @@ DEFAULT_REPEATS = 3
 DEFAULT_MLA_TARGET_RATIO = 2.0
 
 #: settings that count as "the user chose a compression"
-_COMPRESSION_KEYS = ("press", "budget", "window", "mla_rank", "mla_energy", "rope_dim")
+_COMPRESSION_KEYS = ("press", "budget", "window", "neighbors", "lookahead", "mla_rank", "mla_energy", "rope_dim")
 
 
 @dataclass
@@ -58,6 +65,11 @@ class ConvertConfig:
     press: str | None = None
     budget: int | None = None
     window: int | None = None
+    #: a kept token keeps r neighbours on each side (ScorerPress.neighbors); None: 0, or the default's 3
+    neighbors: int | None = None
+    #: the prompt's last L columns observe every earlier prefill chunk (kvexport.cache.plan rule 3b); None: 0, or
+    #: the default's 64 for a press that observes
+    lookahead: int | None = None
     chunk: int | None = None
     #: capacity of a static full cache (no press): the longest context the export takes (default: the model's)
     max_positions: int | None = None
@@ -85,6 +97,12 @@ class ConvertConfig:
     eval_data: str | None = None
     min_agreement: float | None = None
     max_ppl_increase: float | None = None
+    #: --choose: pick press, budget and cache format by measured fidelity (kvexport.convert.choose), with these
+    #: targets (the agreement / perplexity ones above, and passkey recall as a fraction of the original's)
+    choose: bool = False
+    min_recall: float | None = None
+    #: the context (tokens) --choose measures at; None: 4096, or half the model's positions when that is less
+    choose_context: int | None = None
     seed: int = 0
     #: filled by resolve(): True when the showcase defaults were applied
     showcase_defaults: bool = False
@@ -156,10 +174,11 @@ class ConvertConfig:
                 raise BadUsage(f"{source}: {name} must be an integer, got {v!r}")
             setattr(self, name, iv)
 
-        for name in ("mla_rank", "rope_dim", "budget", "window", "chunk", "max_positions", "distill_tokens",
+        for name in ("mla_rank", "rope_dim", "budget", "window", "neighbors", "lookahead", "chunk", "max_positions",
+                     "choose_context", "distill_tokens",
                      "decode_steps", "validate_steps", "repeats", "seed"):
             as_int(name)
-        for name in ("min_agreement", "max_ppl_increase"):
+        for name in ("min_agreement", "max_ppl_increase", "min_recall"):
             v = getattr(self, name)
             if v is None:
                 continue
@@ -174,7 +193,8 @@ class ConvertConfig:
                 self.mla_energy = float(self.mla_energy)
             except (TypeError, ValueError):
                 raise BadUsage(f"{source}: mla_energy must be a number in (0, 1], got {self.mla_energy!r}") from None
-        for name in ("fp16", "validate", "profile", "baseline", "allow_partial", "showcase_defaults", "fidelity"):
+        for name in ("fp16", "validate", "profile", "baseline", "allow_partial", "showcase_defaults", "fidelity",
+                     "choose"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise BadUsage(f"{source}: {name} must be true or false, got {v!r}")
@@ -199,6 +219,17 @@ class ConvertConfig:
 
     def check(self) -> None:
         """Refuse combinations and values that make no sense, before any work starts."""
+        if self.choose:
+            given = [k for k in _COMPRESSION_KEYS + ("kv_dtype",) if getattr(self, k) is not None]
+            if given:
+                raise BadUsage(f"--choose picks the press, budget and cache format itself; drop "
+                               f"{', '.join('--' + k.replace('_', '-') for k in given)}")
+            if not self.fidelity:
+                raise BadUsage("--choose measures fidelity; drop --no-fidelity")
+        elif self.min_recall is not None or self.choose_context is not None:
+            raise BadUsage("--min-recall and --choose-context are settings of --choose; add --choose")
+        if self.choose_context is not None and self.choose_context < 64:
+            raise BadUsage(f"--choose-context {self.choose_context} must be >= 64 tokens")
         if self.mla_rank is not None and self.mla_energy is not None:
             raise BadUsage("--mla-rank and --mla-energy exclude each other: give a fixed rank or an energy "
                            "threshold, not both")
@@ -216,11 +247,26 @@ class ConvertConfig:
             if self.press != "none" and self.press not in PRESSES:
                 raise BadUsage(f"unknown press {self.press!r}; accepted: none, {', '.join(PRESSES)}")
         if not self.uses_press:
+            for name in ("neighbors", "lookahead"):
+                if getattr(self, name):
+                    raise BadUsage(f"--{name} refines an eviction press (--press P); without one every token is kept")
             if self.budget is not None:
                 raise BadUsage("--budget needs an eviction press (--press P); without one every token is kept")
             if self.window is not None:
                 raise BadUsage("--window needs an eviction press (--press P); it sizes the decode slots "
                                "between compactions")
+        if self.neighbors is not None and self.neighbors < 0:
+            raise BadUsage(f"--neighbors {self.neighbors} must be >= 0 (0: kvpress's scoring)")
+        if self.lookahead is not None and self.lookahead < 0:
+            raise BadUsage(f"--lookahead {self.lookahead} must be >= 0 (0: each chunk observes itself)")
+        if self.lookahead and self.press not in (None, "none"):
+            from kvexport.presses import PRESSES
+
+            if self.press in PRESSES and not PRESSES[self.press].observes:
+                raise BadUsage(f"--lookahead: {self.press} scores without observation queries, so a lookahead tail "
+                               "changes nothing; drop --lookahead or choose a press that observes (snapkv, tova, ...)")
+        if self.min_recall is not None and not 0 <= self.min_recall <= 1:
+            raise BadUsage(f"--min-recall {self.min_recall} must be in [0, 1] (a fraction of the original's recall)")
         if self.budget is not None and self.budget < 1:
             raise BadUsage(f"--budget {self.budget} must be >= 1 token")
         if self.window is not None and self.window < 1:
@@ -257,7 +303,7 @@ class ConvertConfig:
         if self.repeats < 1:
             raise BadUsage(f"--repeats {self.repeats} must be >= 1")
         kw = fidelity_kwargs(self.eval_data, self.min_agreement, self.max_ppl_increase, self.fidelity)
-        if set(kw) - {"fidelity"} and not self.validate:
+        if set(kw) - {"fidelity"} and not self.validate and not (self.choose and "eval_data" not in kw):
             raise BadUsage("--eval-data/--min-agreement/--max-ppl-increase are checked by the validate stage; "
                            "drop --no-validate")
         if self.model is not None and not Path(self.model).exists():
@@ -268,14 +314,22 @@ class ConvertConfig:
         window/budget of a given press. MLA ranks that depend on the model are filled later
         (:func:`resolve_mla_rank`)."""
         self.check()
-        if all(getattr(self, k) is None for k in _COMPRESSION_KEYS):
+        if self.choose:  # the choose stage fills press, budget, neighbours, lookahead and the cache format
+            self.window = DEFAULT_WINDOW
+        elif all(getattr(self, k) is None for k in _COMPRESSION_KEYS):
             self.showcase_defaults = True
             self.press = DEFAULT_PRESS
+            self.neighbors, self.lookahead = DEFAULT_NEIGHBORS, DEFAULT_LOOKAHEAD
+            if self.kv_dtype is None:
+                self.kv_dtype = DEFAULT_KV_DTYPE
         if self.uses_press:
             self.budget = DEFAULT_BUDGET if self.budget is None else self.budget
             self.window = DEFAULT_WINDOW if self.window is None else self.window
-        else:
+            self.neighbors = 0 if self.neighbors is None else self.neighbors
+            self.lookahead = 0 if self.lookahead is None else self.lookahead
+        elif not self.choose:
             self.press = "none"
+            self.neighbors = self.lookahead = None
         if self.chunk is None:
             self.chunk = DEFAULT_CHUNK
         if self.model is not None:
@@ -340,6 +394,12 @@ def parse_contexts(value: Any, source: str = "options") -> list[int]:
     return sorted(set(out))
 
 
+def default_budget(max_positions: int) -> int:
+    """The default budget for a model of ``max_positions`` positions: :data:`DEFAULT_BUDGET`, or a quarter of its
+    positions when that is less (at least 1)."""
+    return max(1, min(DEFAULT_BUDGET, int(max_positions) // 4))
+
+
 def default_mla_rank(num_kv_heads: int, head_dim: int, rope_dim: int, target_ratio: float = DEFAULT_MLA_TARGET_RATIO,
                      max_rank: int | None = None) -> int:
     """Rank r_kv, a multiple of 8, whose cache ``r_kv + d_rope`` is about ``1/target_ratio`` of ``2 n_kv d_h``."""
@@ -366,5 +426,6 @@ def default_rope_dim(head_dim: int) -> int:
     return max(2, head_dim // 2 * 2)
 
 
-__all__ = ["ConvertConfig", "parse_contexts", "fidelity_kwargs", "default_mla_rank", "default_rope_dim", "showcase_mla", "TARGETS", "BACKENDS",
-           "DEFAULT_PRESS", "DEFAULT_BUDGET", "DEFAULT_WINDOW", "DEFAULT_CONTEXTS"]
+__all__ = ["ConvertConfig", "parse_contexts", "fidelity_kwargs", "default_mla_rank", "default_rope_dim", "showcase_mla",
+           "default_budget", "TARGETS", "BACKENDS", "DEFAULT_PRESS", "DEFAULT_BUDGET", "DEFAULT_WINDOW", "DEFAULT_CHUNK",
+           "DEFAULT_KV_DTYPE", "DEFAULT_LOOKAHEAD", "DEFAULT_NEIGHBORS", "DEFAULT_CONTEXTS"]

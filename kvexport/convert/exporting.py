@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvexport.convert import layout
+from kvexport import layout
 
 #: checkpoints at least this large (bytes, in their own dtype) are exported in a child process (kvexport.convert.isolate):
 #: the exporter's libraries and graphs leave ≈ 0.2-0.35 GB in the process that exports (a 12- to 28-layer Qwen3), which
@@ -32,8 +32,13 @@ def converted_job(st, in_memory: bool = True) -> tuple[Any, Path, dict[str, Any]
         model, source = st.mla_decoder, mla_dir
     else:  # written by the rewrite (or distill) stage
         model, source = mla_dir, None
-    press = cfg.press if cfg.uses_press else None
-    kw = dict(press=press, budget=cfg.budget if press else None, window=cfg.window if press else 32, chunk=cfg.chunk,
+    press = None
+    if cfg.uses_press:
+        from kvexport.presses import make_press
+
+        press = make_press(cfg.press, budget=cfg.budget, neighbors=int(cfg.neighbors or 0))
+    kw = dict(press=press, budget=None, window=cfg.window if press else 32, chunk=cfg.chunk,
+              lookahead=int(cfg.lookahead or 0) if press else 0,
               dtype="fp16" if cfg.fp16 else "fp32", ops="custom", force=False, max_positions=cfg.max_positions,
               kv_dtype=cfg.kv_dtype, source=source, tokenizer_dir=st.model_path, original=st.model_path)
     return model, st.work / layout.ONNX_DIR, kw
@@ -50,9 +55,9 @@ def baseline_job(st) -> tuple[Any, Path, dict[str, Any]]:
 def run_jobs(jobs: list[tuple[Any, Path, dict[str, Any]]], progress=None) -> list[str]:
     """Export each (model, out, keywords) in turn, memory given back after each; -> the output directories.
     What :func:`kvexport.convert.isolate.call_in_child` runs (module level, plain arguments)."""
-    from kvexport.cli import quiet_libraries
     from kvexport.export import export_model
-    from kvexport.models.loading import free_memory
+    from kvexport.models.release import free_memory
+    from kvexport.quiet import quiet_libraries
 
     quiet_libraries()  # in a child process too: no library progress bars between the stage lines
     outs = []

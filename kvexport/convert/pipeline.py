@@ -80,7 +80,7 @@ class Pipeline:
     def run(self) -> list[StageRecord]:
         from rich.console import Console
 
-        from kvexport.cli.progress import StepProgress
+        from kvexport.convert.progress import StepProgress
 
         self.console = console = self.console or Console(stderr=True)
         self.records = [StageRecord(s.name) for s in self.stages]

@@ -3,8 +3,8 @@
 
 Everything that can be refused is refused before the first stage (settings, model directory, ranks,
 ``--out``, TensorRT for ``--target tensorrt`` without ``--allow-partial``). Stages then run inside a
-temporary sibling of ``--out`` that is renamed onto it only at the end (kvexport.export.manifest's
-``atomic_output``), so a failed stage leaves nothing behind. See :mod:`kvexport.convert.layout` for
+temporary sibling of ``--out`` that is renamed onto it only at the end (kvexport.manifest's
+``atomic_output``), so a failed stage leaves nothing behind. See :mod:`kvexport.layout` for
 what the directory holds.
 """
 
@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvexport import layout
 from kvexport.atomic import rebase_paths
-from kvexport.convert import layout
-from kvexport.convert.config import ConvertConfig, default_rope_dim, showcase_mla
+from kvexport.convert.config import ConvertConfig, default_budget, default_rope_dim
 from kvexport.convert.pipeline import Pipeline, Stage, StageRecord, StageSkipped
 from kvexport.errors import BadUsage, MissingBackend, ParityFailure
 
@@ -49,20 +49,10 @@ class ConvertState:
     notes: dict[str, Any] = field(default_factory=dict)
 
 
-def mla_available() -> bool:
-    try:
-        from kvexport.mla.rewrite import rewrite_to_mla  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def tensorrt_problem() -> str | None:
     """None when TensorRT engines can be built here, else one line saying what is missing."""
-    try:
-        from kvexport.tensorrt import import_tensorrt
-    except ImportError as e:
-        return f"kvexport's TensorRT support cannot be imported ({e})"
+    from kvexport.tensorrt.backend import import_tensorrt
+
     try:
         import_tensorrt()
     except MissingBackend as e:
@@ -76,22 +66,20 @@ def tensorrt_problem() -> str | None:
 
 def resolve_settings(cfg: ConvertConfig) -> tuple[ConvertConfig, Path, Any]:
     """Check and complete the settings against the model; -> (cfg, model dir, ModelSpec). No work done."""
-    from kvexport.cli.common import resolve_model
-    from kvexport.models.gguf import is_gguf
+    from kvexport.models.gguf import is_gguf, resolve_model
     from kvexport.models.loading import check_model_dir
     from kvexport.profile.run import model_spec
 
+    budget_given = cfg.budget is not None
     cfg.resolve()
     model_path = Path(resolve_model(cfg.model)).resolve()
     # convert.json names what the user gave: a .gguf file is resolved to its cached directory again on a rerun
     cfg.model = str(Path(cfg.model).resolve()) if is_gguf(cfg.model or "") else str(model_path)
     check_model_dir(model_path)
     spec = model_spec(model_path)
-    if cfg.showcase_defaults and mla_available():
-        cfg.mla_rank, cfg.rope_dim = showcase_mla(spec)
+    if cfg.uses_press and not budget_given:  # the default budget fits the model's positions
+        cfg.budget = default_budget(spec.max_position_embeddings)
     if cfg.uses_mla:
-        if not mla_available():
-            raise MissingBackend("this kvexport has no MLA rewrite (kvexport.mla); drop --mla-rank/--mla-energy")
         if cfg.rope_dim is None:
             cfg.rope_dim = default_rope_dim(spec.head_dim)
         mla_settings(cfg).check_model(spec.head_dim, spec.hidden_size, spec.num_kv_heads)
@@ -99,14 +87,13 @@ def resolve_settings(cfg: ConvertConfig) -> tuple[ConvertConfig, Path, Any]:
         from kvexport.presses import make_press
 
         make_press(cfg.press, budget=cfg.budget)  # refuses a budget the press cannot take
-        try:
-            from kvexport.export.exporter import NOT_EXPORTABLE
-        except ImportError:
-            NOT_EXPORTABLE = {}
+        from kvexport.cache.plan import capacities
+        from kvexport.export.source import NOT_EXPORTABLE
+
         if cfg.press in NOT_EXPORTABLE:
             raise BadUsage(f"--press {cfg.press} cannot be exported: {NOT_EXPORTABLE[cfg.press]}")
         ctx_max = int(spec.max_position_embeddings)
-        if cfg.budget + cfg.window > ctx_max:
+        if capacities([cfg.budget], cfg.window)[0] > ctx_max:
             raise BadUsage(f"--budget {cfg.budget} + --window {cfg.window} exceeds the model's {ctx_max} positions")
     if cfg.max_positions is not None and cfg.max_positions > int(spec.max_position_embeddings):
         raise BadUsage(f"--max-positions {cfg.max_positions} exceeds the model's {spec.max_position_embeddings} "
@@ -139,8 +126,9 @@ def stage_load(st: ConvertState) -> str:
     """The model for the rewrite, in fp32 (its SVDs); without MLA nothing here reads the weights (the export
     loads the directory itself, in the export's dtype): only the checkpoint's headers are read, so a bf16
     checkpoint of 8B parameters is never widened to a 32 GB fp32 copy."""
-    from kvexport.cli import quiet_libraries
-    from kvexport.models.loading import checkpoint_size, load_decoder, load_tokenizer
+    from kvexport.mla.io import load_decoder
+    from kvexport.models.loading import checkpoint_size, load_tokenizer
+    from kvexport.quiet import quiet_libraries
 
     quiet_libraries()  # no `Loading weights` bar, no accelerate checkpoint warnings in the stage lines
     n, size = checkpoint_size(st.model_path)
@@ -152,6 +140,50 @@ def stage_load(st: ConvertState) -> str:
     st.notes["parameters"] = int(n)
     st.notes["weight_bytes"] = int(size)  # in the checkpoint's dtype
     return f"{st.spec.family}, {st.spec.num_layers} layers, {n / 1e6:.2f}M parameters"
+
+
+def stage_choose(st: ConvertState) -> str:
+    """--choose: the smallest cache that meets the targets on calibration text (kvexport.convert.choose), applied to
+    the settings; every candidate tried, its numbers and why it was kept or dropped go to DIR/choice.json and
+    convert.json. Nothing meeting the targets fails the conversion, naming the closest candidate."""
+    from kvexport.convert.choose import Targets, choose
+
+    cfg = st.cfg
+    targets = Targets(min_agreement=0.90 if cfg.min_agreement is None else cfg.min_agreement,
+                      max_ppl_increase=0.10 if cfg.max_ppl_increase is None else cfg.max_ppl_increase,
+                      min_recall=0.90 if cfg.min_recall is None else cfg.min_recall)
+    ctx = int(st.spec.max_position_embeddings)
+    context = cfg.choose_context or min(4096, ctx // 2)
+    if context > ctx:
+        raise BadUsage(f"--choose-context {context} exceeds the model's {ctx} positions")
+    say = st.progress or (lambda _m: None)
+    choice = choose(st.model_path, targets, context=context, positions=min(8192, ctx), window=cfg.window,
+                    chunk=cfg.chunk, log=lambda m: say(m.strip()))
+    record = choice.to_dict()
+    _write_json(st.work / layout.CHOICE_JSON, record)
+    st.notes["choice"] = record
+    if choice.chosen is None:
+        near = min(choice.trail, key=lambda r: len(r["misses"]), default=None)
+        why = "" if near is None else f"; closest: {near['family']} at budget {near['budget']} ({'; '.join(near['misses'])})"
+        raise ParityFailure(f"--choose: no candidate met the targets at {context} tokens{why}; nothing was written "
+                            "(loosen a target: --min-agreement, --max-ppl-increase, --min-recall)")
+    c = choice.chosen
+    cfg.press = c["press"] or "none"
+    cfg.budget = c["budget"]
+    cfg.neighbors = c["neighbors"] if c["press"] else None
+    cfg.lookahead = c["lookahead"] if c["press"] else None
+    if cfg.lookahead:
+        from kvexport.presses import PRESSES
+
+        cfg.lookahead = cfg.lookahead if PRESSES[c["press"]].observes else 0
+    cfg.kv_dtype = c["kv_dtype"]
+    if not c["press"]:
+        cfg.window = None
+    # convert.json then reproduces the chosen conversion itself (the search is recorded beside it)
+    cfg.choose, cfg.min_recall, cfg.choose_context = False, None, None
+    return (f"{c['family']}" + (f", budget {c['budget']}" if c["budget"] else "")
+            + f": {c['resident_bytes'] / 2**20:.1f} MiB at {min(8192, ctx)} tokens, agreement {c['agreement']:.1%}, "
+            f"ppl +{c['ppl_increase']:.1%}; {len(choice.trail)} candidates in {choice.seconds:.0f} s")
 
 
 def stage_rewrite(st: ConvertState) -> str:
@@ -176,8 +208,8 @@ def stage_distill(st: ConvertState) -> str:
     """Forward-KL distillation of the MLA student against the teacher (kvexport.mla.distill), then DIR/mla
     is replaced by the distilled model; the run's summary is kept as DIR/distill_summary.json."""
     from kvexport.mla.distill import DistillConfig, check_teacher, distill, read_tokens
-    from kvexport.mla.io import load_mla, save_mla
-    from kvexport.models.loading import load_decoder, load_tokenizer
+    from kvexport.mla.io import load_decoder, load_mla, save_mla
+    from kvexport.models.loading import load_tokenizer
 
     cfg = st.cfg
     tok = load_tokenizer(st.model_path)
@@ -244,7 +276,7 @@ def stage_engine(st: ConvertState) -> str:
     reports = [build_engine(g, out / (g.stem + ".engine"), fp16=st.cfg.fp16)
                for g in find_onnx_graphs(st.work / layout.ONNX_DIR)]
     write_build_record(out, reports)
-    from kvexport.export.manifest import MANIFEST, sha256_file, write_manifest
+    from kvexport.manifest import MANIFEST, sha256_file, write_manifest
     from kvexport.tensorrt.generator import ENGINE_KIND
 
     onnx_manifest = st.work / layout.ONNX_DIR / MANIFEST
@@ -259,9 +291,10 @@ def stage_validate(st: ConvertState) -> str:
     were built, + what compression cost against the original model (the fidelity settings), + a lossy cache format
     against its fp32 twin (parity.json's ``twin``, kvexport.export.twin); DIR/parity.json. A failed tolerance or fidelity gate fails the stage."""
     from kvexport.convert.config import fidelity_kwargs
+    from kvexport.export.fidelity import gate_failure
     from kvexport.export.validation import validate
     from kvexport.report.collect import normalize_parity
-    from kvexport.report.sections import fidelity_gate_failure, fidelity_summary
+    from kvexport.report.sections import fidelity_summary
 
     cfg = st.cfg
     kw = fidelity_kwargs(cfg.eval_data, cfg.min_agreement, cfg.max_ppl_increase, cfg.fidelity)
@@ -281,7 +314,7 @@ def stage_validate(st: ConvertState) -> str:
                          f"index agreement {p.get('index_agreement', float('nan')):.3f}" for p in bad)
         raise ParityFailure(f"parity FAILED ({what or 'no backend pair compared'}); nothing was written, rerun "
                             "with --no-validate to keep the export anyway")
-    gate = fidelity_gate_failure(parity.get("fidelity"))
+    gate = gate_failure(parity.get("fidelity"))
     if gate:
         raise ParityFailure(f"{gate}; nothing was written (loosen the gate or choose a milder compression)")
     msg = f"PASSED ({', '.join(p['pair'] for p in norm['pairs'])})"
@@ -297,14 +330,7 @@ def stage_validate(st: ConvertState) -> str:
 def stage_profile(st: ConvertState) -> str:
     from kvexport.profile.run import profile_dir
 
-    backend = "onnxruntime"
-    if st.cfg.target == "tensorrt" and st.engine_missing is None:
-        try:
-            from kvexport.tensorrt import TrtGenerator  # noqa: F401
-
-            backend = "tensorrt"
-        except ImportError:  # engines built, but no step-wise TensorRT runtime to time them with
-            st.notes["profile_backend"] = "onnxruntime (kvexport.tensorrt has no step runtime yet)"
+    backend = "tensorrt" if st.cfg.target == "tensorrt" and st.engine_missing is None else "onnxruntime"
     prof = profile_dir(st.work, backend=backend, contexts=st.cfg.contexts, decode_steps=st.cfg.decode_steps,
                        baseline=st.cfg.baseline, seed=st.cfg.seed, repeats=st.cfg.repeats, progress=st.progress,
                        shown_as=st.out)
@@ -348,6 +374,8 @@ def convert_json(st: ConvertState, records: list[StageRecord]) -> dict[str, Any]
         "stages": [r.to_dict() for r in records],
         "reproduce": "kvexport convert --config DIR/convert.json --out NEW_DIR",
     }
+    if "choice" in st.notes:
+        out["choice"] = st.notes["choice"]
     if "distill" in st.notes:
         out["distill"] = st.notes["distill"]
     if "mla_ranks" in st.notes:
@@ -361,7 +389,7 @@ def run_convert(cfg: ConvertConfig, out: str | Path, force: bool = False, consol
     """Run a whole conversion into ``out``; -> convert.json's content. Raises the failed stage's error
     (named), :class:`MissingBackend` after keeping the ONNX result for ``--target tensorrt
     --allow-partial`` without TensorRT."""
-    from kvexport.export.manifest import atomic_output, check_out_dir
+    from kvexport.manifest import atomic_output, check_out_dir
 
     cfg.check()
     if cfg.target == "tensorrt" and not cfg.allow_partial:  # before anything slow: loading the model takes a while
@@ -376,6 +404,7 @@ def run_convert(cfg: ConvertConfig, out: str | Path, force: bool = False, consol
         st = ConvertState(cfg=cfg, model_path=model_path, work=Path(tmp), spec=spec, out=out)
         stages = [
             Stage("load", lambda: stage_load(st)),
+            Stage("choose", lambda: stage_choose(st), cfg.choose, "no --choose"),
             Stage("rewrite", lambda: stage_rewrite(st), cfg.uses_mla, "no MLA (eviction is applied in the export)"),
             Stage("distill", lambda: stage_distill(st), cfg.distills, "no --distill-teacher"),
             Stage("export", lambda: stage_export(st)),
@@ -407,7 +436,7 @@ def run_convert(cfg: ConvertConfig, out: str | Path, force: bool = False, consol
 # ----------------------------------------------------------------------------- helpers
 def release(st: ConvertState, *names: str) -> None:
     """Drop the state's references to models a later stage does not need, and give their memory back."""
-    from kvexport.models.loading import free_memory
+    from kvexport.models.release import free_memory
 
     for n in names:
         setattr(st, n, None)
@@ -466,4 +495,4 @@ def _dir_size(d: Path) -> int:
     return sum(p.stat().st_size for p in d.rglob("*") if p.is_file()) if d.exists() else 0
 
 
-__all__ = ["run_convert", "resolve_settings", "ConvertState", "tensorrt_problem", "mla_available"]
+__all__ = ["run_convert", "resolve_settings", "ConvertState", "tensorrt_problem"]

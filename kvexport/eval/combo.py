@@ -69,7 +69,7 @@ def combo_study(model_path: str, taskset, press: str = "expected_attention", tar
         study_data,
     )
     from kvexport.eval.tasks import evaluate_tasks
-    from kvexport.models.loading import load_decoder
+    from kvexport.mla.io import load_decoder
     from kvexport.presses import make_press
 
     if any(x <= 1 for x in targets):

@@ -30,6 +30,7 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from kvexport.cache.plan import DEFAULT_WINDOW
 from kvexport.errors import BadUsage
 
 
@@ -38,13 +39,14 @@ class KVExportLM(LM):
     """lm-eval model over a kvexport :class:`~kvexport.models.decoder.Decoder` (GQA or MLA)."""
 
     def __init__(self, pretrained: str, press: str | None = None, ratio: float | None = None,
-                 budget: int | None = None, window: int = 32, max_length: int | None = None, dtype: str = "fp32",
+                 budget: int | None = None, window: int = DEFAULT_WINDOW, max_length: int | None = None, dtype: str = "fp32",
                  device: str | None = None, batch_size: int | str = 1, max_gen_toks: int = 256, **kwargs):
         super().__init__()
         if not device or (str(device).startswith("cuda") and not torch.cuda.is_available()):
             device = "cuda" if torch.cuda.is_available() else "cpu"  # lm-eval's CLI asks for cuda by default
-        from kvexport.cli.common import build_press
-        from kvexport.models.loading import load_decoder, load_tokenizer
+        from kvexport.mla.io import load_decoder
+        from kvexport.models.loading import load_tokenizer
+        from kvexport.presses import build_press
 
         self.decoder, _ = load_decoder(pretrained, dtype)
         self.decoder.to(device).eval()
@@ -93,15 +95,13 @@ class KVExportLM(LM):
             x = torch.tensor([total[:-1]], device=dev)
             pos = torch.arange(x.shape[1], device=dev)[None]
             logits = self.decoder(x, pos, None)[0, len(ctx) - 1:]
-        else:
-            L, P = self.decoder.spec.num_layers, len(ctx)
-            cache = self.decoder.new_cache(1, self.press, self.press.layer_budgets(L, P), len(cont) + 1)
-            x = torch.tensor([total], device=dev)
-            pos = torch.arange(len(total), device=dev)[None]
-            out = [self.decoder(x[:, :P], pos[:, :P], cache, mode="prefill")[0, -1:]]
-            for t in range(P, len(total) - 1):
-                out.append(self.decoder(x[:, t : t + 1], pos[:, t : t + 1], cache, mode="decode")[0])
-            logits = torch.cat(out)
+        else:  # the context compressed after its prefill, the continuation forced; its cache has len(cont) + 1 slots
+            from kvexport.runtime.loop import generate
+            from kvexport.runtime.torch_driver import TorchDriver
+
+            driver = TorchDriver(self.decoder, self.press, window=len(cont) + 1)
+            res = generate(driver, [ctx], max_new_tokens=len(cont), forced_tokens=[cont], keep_logits=True)
+            logits = torch.cat([res.prompt_logits, *res.step_logits])
         return logits.float().log_softmax(-1)
 
     def _score(self, ctx: list[int], cont: list[int]) -> tuple[float, bool]:

@@ -151,8 +151,7 @@ def distilled_students(student_path: str, teacher_path: str, settings, ds: Disti
     Cached."""
     from kvexport.mla import rewrite_to_mla
     from kvexport.mla.distill import DistillConfig, check_teacher, distill
-    from kvexport.mla.io import save_mla
-    from kvexport.models.loading import load_decoder
+    from kvexport.mla.io import load_decoder, save_mla
 
     recipe = {k: v for k, v in asdict(ds).items() if k != "budgets"}
     key = _key(RECIPE_VERSION, _fingerprint(student_path), _fingerprint(teacher_path), settings.to_dict(), recipe,
@@ -214,7 +213,7 @@ def mla_study(student_path: str, teacher_paths: list[str], study: MLAStudy, task
     (``results[teacher][budget][point]``)."""
     from kvexport.eval.tasks import evaluate_tasks
     from kvexport.mla import rewrite_to_mla
-    from kvexport.models.loading import load_decoder
+    from kvexport.mla.io import load_decoder
 
     t0 = time.perf_counter()
     student, _ = load_decoder(student_path)

@@ -32,6 +32,8 @@ import torch
 from kvexport.errors import BadUsage
 from kvexport.eval.metrics import agreement_count, layer_discrepancy, nll_sum, relative_discrepancy
 from kvexport.presses import PRESSES, OptimalPress, make_press
+from kvexport.runtime.loop import generate
+from kvexport.runtime.torch_driver import TorchDriver
 
 #: the presses of the paper's figure, then the oracle and a random baseline
 STUDY_PRESSES = (
@@ -86,21 +88,21 @@ def run_window(decoder, ids: torch.Tensor, prompt_len: int, future_len: int, pre
     with the prompt compressed by ``press`` after prefill (None: nothing evicted)."""
     B, P, F = ids.shape[0], prompt_len, future_len
     L = decoder.spec.num_layers
-    pos = torch.arange(P + F, device=ids.device).expand(B, P + F)
-    budgets = press.layer_budgets(L, P) if press is not None else [P] * L
-    cache = decoder.new_cache(B, press, budgets, F + 1)
-    decoder(ids[:, :P], pos[:, :P], cache, mode="prefill")
+    # the prompt in one chunk, then the F future tokens forced one at a time; the cache has F + 1 free slots
+    driver = TorchDriver(decoder, press, window=F + 1, capacity=P + F + 1, batch=B)
     hidden: list[list[torch.Tensor]] = [[] for _ in range(L)]
     hooks = [
         layer.register_forward_hook(lambda m, a, out, i=i: hidden[i].append(out[0][:, -1]))
         for i, layer in enumerate(decoder.layers)
     ]
     try:
-        logits = [decoder(ids[:, t : t + 1], pos[:, t : t + 1], cache, mode="decode")[:, -1] for t in range(P, P + F)]
+        res = generate(driver, ids[:, :P], max_new_tokens=F + 1, forced_tokens=ids[:, P : P + F + 1],
+                       keep_logits=True)
     finally:
         for h in hooks:
             h.remove()
-    return torch.stack([torch.stack(h, 1) for h in hidden]), torch.stack(logits, 1)
+    # each hook's first call is the prefill's (one chunk): the future tokens' outputs come after it
+    return torch.stack([torch.stack(h[1:], 1) for h in hidden]), torch.stack(res.step_logits, 1)
 
 
 def _press(name: str, ratio: float, decoder, ids, study: PressStudy):

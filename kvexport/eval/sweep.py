@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from kvexport.errors import BadUsage
+from kvexport.models.attention import fused_eager_attention
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,8 @@ class Sweep:
                  ref_cache: str | Path | None = None):
         from kvexport.eval.data import prose_stream
         from kvexport.eval.longctx import probes
-        from kvexport.models.loading import load_decoder, load_tokenizer
+        from kvexport.mla.io import load_decoder
+        from kvexport.models.loading import load_tokenizer
 
         self.spec = spec or SweepSpec()
         if self.spec.threads:
@@ -182,20 +184,24 @@ class Sweep:
                 "slots": int(max(r.cache.plan.capacities))}
 
     def reference(self) -> dict[str, Any]:
+        with fused_eager_attention():
+            return self._reference()
+
+    def _reference(self) -> dict[str, Any]:
         """The original's text logits and probe results (full fp32 cache, the prompt in chunks of 512); kept in
-        ``ref_cache`` (a directory) when the sweep has one, so other tiers and processes reuse them."""
-        if self._ref is None and self.ref_cache is not None:
-            f = self._ref_file()
-            if f.is_file():
-                self._ref = torch.load(f, weights_only=False)
+        ``ref_cache`` (a directory) when the sweep has one, so other tiers and processes reuse them (a probe the
+        kept file lacks is measured and added)."""
+        if self._ref is None and self.ref_cache is not None and self._ref_file().is_file():
+            self._ref = torch.load(self._ref_file(), weights_only=False)
+        st, dec, changed, t = Setting(chunk=512), self.decoder, False, time.time()
         if self._ref is None:
-            t = time.time()
-            st = Setting(chunk=512)
-            dec = self.decoder
-            logits = self._text_logits(st, dec)
-            self._ref = {"logits": logits, "probes": {}}
-            for (kind, n) in self.probes:
-                self._ref["probes"][(kind, n)] = self._probe(st, dec, kind, n)
+            self._ref = {"logits": self._text_logits(st, dec), "probes": {}}
+            changed = True
+        for key in self.probes:
+            if key not in self._ref["probes"]:
+                self._ref["probes"][key] = self._probe(st, dec, *key)
+                changed = True
+        if changed:
             self.log(f"  original measured in {time.time() - t:.0f} s")
             if self.ref_cache is not None:
                 from kvexport.atomic import atomic_write_bytes
@@ -207,13 +213,18 @@ class Sweep:
 
     def _ref_file(self) -> Path:
         s = self.spec
-        key = json.dumps([self.model_dir, s.windows, s.context, s.scored, list(s.probe_lengths), list(s.probe_kinds),
-                          list(s.depths), s.seed] + ([s.text_split] if s.text_split != "heldout" else []))
+        key = json.dumps([self.model_dir, s.windows, s.context, s.scored, list(s.depths), s.seed]
+                         + ([s.text_split] if s.text_split != "heldout" else []))
         return Path(self.ref_cache) / f"reference-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
     def measure(self, st: Setting, model=None, label: str | None = None) -> dict[str, Any]:
         """One setting's measures; ``model``: another decoder of the same model (e.g. a recovered MLA rewrite) to
-        run the setting on instead of the one ``st.mla`` names, recorded as ``label``."""
+        run the setting on instead of the one ``st.mla`` names, recorded as ``label``. Attention runs through
+        torch's fused kernel (:func:`~kvexport.models.attention.fused_eager_attention`), for the original too."""
+        with fused_eager_attention():
+            return self._measure(st, model, label)
+
+    def _measure(self, st: Setting, model, label) -> dict[str, Any]:
         s = self.spec
         ref = self.reference()
         dec = self.model(st.mla) if model is None else model

@@ -2,16 +2,16 @@
 """ONNX export with static caches and kvexport custom ops, an onnxruntime runtime, and parity reports.
 
 ``export_model`` writes the graphs (:mod:`kvexport.export.exporter`), ``OrtGenerator`` runs them with
-onnxruntime IO binding (:mod:`kvexport.export.runtime`), ``validate`` compares them with the PyTorch
+onnxruntime IO binding (:mod:`kvexport.runtime.onnxruntime`), ``validate`` compares them with the PyTorch
 model (:mod:`kvexport.export.validation`). torch (for exporting), onnxruntime and Polygraphy are imported
 only when used, so a deployment that only runs exports does not load torch.
 """
 
 from __future__ import annotations
 
-from kvexport.export.manifest import atomic_output, read_manifest, verify_manifest, write_manifest
-from kvexport.export.runtime import OrtGenerationResult, OrtGenerator
 from kvexport.export.validation import validate
+from kvexport.manifest import atomic_output, read_manifest, verify_manifest, write_manifest
+from kvexport.runtime import GenerationResult, OrtGenerator, open_onnxruntime
 
 
 def __getattr__(name):
@@ -22,5 +22,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["export_model", "OrtGenerator", "OrtGenerationResult", "validate", "atomic_output", "read_manifest",
+__all__ = ["export_model", "OrtGenerator", "open_onnxruntime", "GenerationResult", "validate", "atomic_output", "read_manifest",
            "verify_manifest", "write_manifest"]

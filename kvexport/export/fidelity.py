@@ -196,7 +196,8 @@ class FidelityRun:
             return
         import torch
 
-        from kvexport.models.loading import free_memory, load_hf_model
+        from kvexport.models.loading import load_hf_model
+        from kvexport.models.release import free_memory
 
         self.say("fidelity: loading the original model")
         hf = load_hf_model(self.orig_dir, "fp32")
@@ -317,6 +318,28 @@ def _recall_tasks(tokenizer, context: int, st: FidelitySettings):
                   for e in examples)
         out[name] = (examples, np.asarray([e.prompt for e in examples], np.int64), new)  # one length per task
     return out, None
+
+
+def gate_failure(fid: dict[str, Any] | None) -> str | None:
+    """parity.json's ``fidelity`` -> one line naming the gate that failed (``--min-agreement``,
+    ``--max-ppl-increase``), or None when none did (the gates themselves: :func:`_gates`)."""
+    if not isinstance(fid, dict):
+        return None
+    g = fid.get("gates") or {}
+    if g.get("passed") is not False:
+        return None
+    why = []
+    if g.get("min_agreement") is not None and fid.get("next_token_agreement", 1.0) < g["min_agreement"]:
+        why.append(f"next-token agreement {_pct(fid['next_token_agreement'])} < --min-agreement "
+                   f"{g['min_agreement']:g}")
+    if g.get("max_ppl_increase") is not None and fid.get("ppl_increase", 0.0) > g["max_ppl_increase"]:
+        why.append(f"perplexity {_pct(fid['ppl_increase'], signed=True)} > --max-ppl-increase "
+                   f"{g['max_ppl_increase']:g}")
+    return "fidelity gate failed: " + ("; ".join(why) or "see the fidelity block of parity.json")
+
+
+def _pct(v, signed: bool = False) -> str:
+    return f"{100 * float(v):+.1f} %" if signed else f"{100 * float(v):.1f} %"
 
 
 def _gates(f: dict, min_agreement, max_ppl_increase) -> dict[str, Any]:

@@ -30,12 +30,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvexport import ops
 from kvexport.cache.candidates import keep_best
 from kvexport.cache.formats import kv_format, layer_fields
+from kvexport.cache.plan import capacities
 from kvexport.cache.quant import QuantizedRows, decode, encode, storage_dtype
-from kvexport.cache.static_cache import ScoreContext, dtype_name
+from kvexport.cache.static_cache import dtype_name
 from kvexport.errors import BadUsage
-from kvexport.export import ops
+from kvexport.presses.context import ScoreContext
 
 
 @dataclass(frozen=True)
@@ -69,10 +71,10 @@ def check_kv_dtype(kv_dtype: str | None, dtype: str, dynamic_cache: bool = False
 def layer_shapes(decoder, budgets: list[int], window: int, kv_dtype: str | None = None) -> list[LayerShape]:
     out = []
     kv = kv_format(kv_dtype, dtype_name(next(decoder.parameters()).dtype)).name
-    for b, layer in zip(budgets, decoder.layers, strict=True):
+    for b, cap, layer in zip(budgets, capacities(budgets, window), decoder.layers, strict=True):
         a = layer.self_attn
         out.append(LayerShape(a.cache_heads, a.key_dim, a.value_dim, a.num_heads,
-                              getattr(a, "score_dim", a.head_dim), b, b + window, kv))
+                              getattr(a, "score_dim", a.head_dim), b, cap, kv))
     return out
 
 
@@ -163,18 +165,21 @@ class _CacheGraph(nn.Module):
                     t["pos"])
         return self.scored(t)
 
+    #: whether a compaction's observation queries are the last candidates' own (plan rule 3b: not a lookahead tail's)
+    own_observers = True
+
     def make_inputs(self, i: int):
         attn = self.decoder.layers[i].self_attn
         ctx = ScoreContext(rotary=getattr(attn, "score_rotary", attn.rotary), scaling=attn.scaling, layer_idx=i,
                            num_layers=len(self.shapes), sliding_window=getattr(attn, "sliding_window", None))
-        return ctx.inputs(self.shapes[i].budget)
+        return ctx.inputs(self.shapes[i].budget, self.own_observers)
 
     def keep(self, i: int, k, v, pos, queries, q_positions, fill, n_pad, stored=None) -> list:
         """Raw layout [cache (cap_i) ; columns] -> the best budget_i (B, Hc, budget_i, .) (plan rules 3 and 5), as
         the layer's cache fields (kept codes and scales gathered from ``stored`` for a lossy format)."""
         s = self.shapes[i]
         got = keep_best(self.press, self.make_inputs(i), k, v, pos, queries, q_positions, fill, n_pad, s.capacity,
-                        s.budget, s.budget, topk=ops.topk_gather, stored=stored)
+                        s.budget, s.budget, topk=ops.topk_gather.topk_gather, stored=stored)
         named = dict(zip(("k", "v", "pos", "ks", "vs"), got, strict=False))
         return [named[f] for f in s.fields]
 
@@ -212,7 +217,17 @@ class _CacheGraph(nn.Module):
 class PrefillChunk(_CacheGraph):
     """One chunk of exactly C columns (padding: position -1). Inputs: input_ids (B, C) int64, positions (B, C)
     int64, then the cache tensors of every layer. Outputs: logits (B, V) of the last column, then the chunk's new
-    rows (with a press and a lossy format also the rows before storage, which ``compact_prefill`` scores)."""
+    rows (with a press and a lossy format also the rows before storage, which ``compact_prefill`` scores).
+
+    With ``lookahead`` L > 0 (plan rule 3b) the inputs hold C + L columns: the chunk, then its lookahead tail (the
+    prompt's last columns at their true positions, front-padded to L; all padding for the prompt's last chunk). The
+    tail runs through every layer with the chunk (it attends to the cache, the chunk and itself, causal by
+    position; the chunk cannot see it); its rows are not output, its queries are (``q_tail_i`` (B, Hq, L, Dq), after
+    every layer's new rows), for ``compact_prefill_tail``. The logits are the chunk's last column's."""
+
+    def __init__(self, decoder, press, budgets, window, kv_dtype=None, lookahead: int = 0):
+        super().__init__(decoder, press, budgets, window, kv_dtype)
+        self.lookahead = int(lookahead)
 
     @property
     def full_rows(self) -> bool:
@@ -220,7 +235,17 @@ class PrefillChunk(_CacheGraph):
 
     def forward(self, input_ids, positions, *cache):
         h, new = self.step(input_ids, positions, cache, self.full_rows)
-        return (self.head(h[:, -1]), *new)
+        L = self.lookahead
+        if not L:
+            return (self.head(h[:, -1]), *new)
+        C = input_ids.shape[1] - L
+        chunk, tails = [], []
+        for r in self.split_new(new, self.full_rows):
+            for f, x in r.items():
+                if f == "q":
+                    tails.append(x[:, :, C:])
+                chunk.append(x[:, :, :C])
+        return (self.head(h[:, C - 1]), *chunk, *tails)
 
 
 class DecodeStep(_CacheGraph):
@@ -292,6 +317,9 @@ class CompactPrefill(_CacheGraph):
     storage; the kept codes are gathered, not quantized again."""
 
     def forward(self, fill, n_pad, positions, *rest):
+        return self._compact(fill, n_pad, positions, rest, None, positions)
+
+    def _compact(self, fill, n_pad, positions, rest, observers, q_positions):
         n = self.n_cache()
         full = self.lossy
         B, C = positions.shape
@@ -305,11 +333,26 @@ class CompactPrefill(_CacheGraph):
                 new_stored = (r["k"], r["v"], r.get("ks"), r.get("vs"))
                 stored = tuple(None if a is None else torch.cat([_carried(a), _carried(b)], dim=2)
                                for a, b in zip(self.stored(t), new_stored, strict=True))
+            queries = r["q"] if observers is None else observers[i]
             kept = self.keep(i, torch.cat([k0, kf], dim=2), torch.cat([v0, vf], dim=2),
-                             torch.cat([t["pos"], new_pos], dim=2), r["q"], positions, fill[i], n_pad[0], stored)
+                             torch.cat([t["pos"], new_pos], dim=2), queries, q_positions, fill[i], n_pad[0], stored)
             out += [x.to(torch.uint8) if self.fmt.quantized and f in ("k", "v") else x
                     for f, x in zip(self.shapes[i].fields, kept, strict=True)]
         return tuple(out)
+
+
+class CompactPrefillTail(CompactPrefill):
+    """A prefill chunk's compaction observed by its lookahead tail (plan rule 3b). Inputs: fill (L,), n_pad (1,),
+    positions (B, C), tail_positions (B, Lt) (padding: -1, in front), then the cache tensors of every layer, the
+    chunk's new rows (as PrefillChunk returns them) and every layer's ``q_tail_i``. The tail's queries observe
+    instead of the chunk's own; observers that are not candidates force nothing to be kept."""
+
+    own_observers = False
+
+    def forward(self, fill, n_pad, positions, tail_positions, *rest):
+        n_layers = len(self.shapes)
+        tails = rest[len(rest) - n_layers:]
+        return self._compact(fill, n_pad, positions, rest[: len(rest) - n_layers], list(tails), tail_positions)
 
 
 def _carried(x: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from kvexport.cache.plan import DEFAULT_WINDOW
 from kvexport.export.fidelity import _log_softmax
 
 #: cache format -> the model dtypes whose K/V it stores exactly (nothing to compare with a twin)
@@ -71,7 +72,7 @@ def _array(x) -> np.ndarray:
     return x.detach().float().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
 
 
-def twin_compare(decoder, windows, prefix: int, scored: int, kv_dtype: str, press_factory=None, window: int = 32,
+def twin_compare(decoder, windows, prefix: int, scored: int, kv_dtype: str, press_factory=None, window: int = DEFAULT_WINDOW,
                  chunk: int | None = None, capacity: int | None = None, batch: int = 8, track_kept: bool = True,
                  progress=None) -> dict[str, Any]:
     """The ``kv_dtype`` cache of ``decoder`` against its fp32 twin on ``windows`` (N, >= prefix) token ids.
@@ -83,7 +84,7 @@ def twin_compare(decoder, windows, prefix: int, scored: int, kv_dtype: str, pres
                              batch, track_kept, progress)[kv_dtype]
 
 
-def twin_compare_many(decoder, windows, prefix: int, scored: int, kv_dtypes, press_factory=None, window: int = 32,
+def twin_compare_many(decoder, windows, prefix: int, scored: int, kv_dtypes, press_factory=None, window: int = DEFAULT_WINDOW,
                       chunk: int | None = None, capacity: int | None = None, batch: int = 8, track_kept: bool = True,
                       progress=None) -> dict[str, dict[str, Any]]:
     """:func:`twin_compare` for several formats against one fp32 run per window batch -> {kv_dtype: figures}."""
@@ -180,18 +181,18 @@ def _run(decoder, windows, prefix, scored, kv_dtypes, press_factory, window, chu
 
 def twin_compare_exports(reference_dir, exports: dict, windows, prefix: int, scored: int, track_kept: bool = True,
                          threads: int | None = None, progress=None) -> dict[str, dict[str, Any]]:
-    """Exports against an fp32 export on onnxruntime (:class:`~kvexport.export.runtime.OrtGenerator`), the same
+    """Exports against an fp32 export on onnxruntime (:class:`~kvexport.runtime.onnxruntime.OrtGenerator`), the same
     figures as :func:`twin_compare`: the reference export decodes ``scored`` tokens greedily after each window's
     first ``prefix`` tokens, and its tokens are forced into each export of ``exports`` ({label: directory}, e.g.
     {"int8": ...}); each export's batch size is its own, ``windows`` (N, >= prefix) must fill whole batches.
     What a user compares when converting the same model twice, with and without ``--kv-dtype``."""
     from kvexport.errors import BadUsage
-    from kvexport.export.runtime import OrtGenerator
+    from kvexport.runtime.onnxruntime import open_onnxruntime
 
     say = progress or (lambda msg: None)
     wins = np.asarray(windows)[:, :prefix].astype(np.int64)
-    ref_gen = OrtGenerator(reference_dir, threads=threads)
-    gens = {k: OrtGenerator(d, threads=threads) for k, d in exports.items()}
+    ref_gen = open_onnxruntime(reference_dir, threads=threads)
+    gens = {k: open_onnxruntime(d, threads=threads) for k, d in exports.items()}
     B = ref_gen.batch
     if wins.shape[0] % B or any(g.batch != B for g in gens.values()):
         raise BadUsage(f"{wins.shape[0]} windows do not fill batches of {B} (every export takes batch "

@@ -2,7 +2,7 @@
 """Cache accounting for ``kvexport inspect``: elements and bytes per token and layer, per sequence, resident
 bytes, and the ratio to the original cache, from a :class:`~kvexport.models.spec.ModelSpec` alone.
 
-The formula has one owner, :class:`kvexport.profile.kv_bytes.CacheShape` (GQA/MHA ``2 · n_kv · d_h`` elements
+The formula has one owner, :class:`kvexport.cache.memory.CacheShape` (GQA/MHA ``2 · n_kv · d_h`` elements
 per token and layer, MLA ``r_kv + d_rope``; a static budget holds ``budget + window`` slots per layer whatever
 the context, else the whole context); this module only builds the shape from a spec and the inspect flags and
 reports it. The original cache is the same model's GQA/MHA cache over the whole context, in the same element
@@ -14,13 +14,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvexport.cache.formats import DTYPE_NAMES, FORMATS, element_bytes
+from kvexport.cache.memory import CacheShape
 from kvexport.errors import BadUsage
 from kvexport.models.spec import ModelSpec
-from kvexport.profile.kv_bytes import CacheShape
-
-#: cache element types of ``--dtype`` and their bytes (int8/fp8 add a float16 scale per row, counted by CacheShape)
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "int8": 1, "fp8": 1}
-_QUANTIZED = ("int8", "fp8")
 
 
 @dataclass
@@ -46,7 +43,7 @@ class CacheReport:
 
     def shape(self, original: bool = False) -> CacheShape:
         """This cache (or with ``original``, the model's uncompressed GQA/MHA cache) as a CacheShape."""
-        quantized = self.dtype in _QUANTIZED
+        quantized = FORMATS[DTYPE_NAMES[self.dtype]].quantized
         kw: dict[str, Any] = {"kv_dtype": self.dtype} if quantized else {}
         ranks = None if original or self.mla_ranks is None else tuple(self.mla_ranks)
         return CacheShape(self.num_layers, self.num_kv_heads, self.head_dim, ranks,
@@ -100,8 +97,8 @@ def cache_report(spec: ModelSpec, *, model: str = "", mla_ranks: list[int] | Non
     """Accounting from the spec alone (no weights). ``mla_ranks``: per-layer r_kv (or one value for all)."""
     if context < 1:
         raise BadUsage(f"--context {context} must be >= 1 token")
-    if dtype not in DTYPE_BYTES:
-        raise BadUsage(f"cache dtype {dtype!r} unknown; accepted: {', '.join(DTYPE_BYTES)}")
+    if dtype not in DTYPE_NAMES:
+        raise BadUsage(f"cache dtype {dtype!r} unknown; accepted: {', '.join(DTYPE_NAMES)}")
     if budget is not None and budget < 1:
         raise BadUsage(f"--budget {budget} must be >= 1")
     if window is not None and window < 1:
@@ -114,7 +111,7 @@ def cache_report(spec: ModelSpec, *, model: str = "", mla_ranks: list[int] | Non
             mla_ranks = mla_ranks * spec.num_layers
     rep = CacheReport(model=model, family=spec.family, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
                       head_dim=spec.head_dim, num_heads=spec.num_heads, vocab_size=spec.vocab_size, dtype=dtype,
-                      bytes_per_element=DTYPE_BYTES[dtype], original_elements_per_token_layer=0,
+                      bytes_per_element=element_bytes(dtype), original_elements_per_token_layer=0,
                       elements_per_token_layer=[], context=context, tokens_held=0, budget=budget,
                       window=window if budget is not None else None, mla=mla, mla_ranks=mla_ranks,
                       rope_dim=int(rope_dim or 0) if mla_ranks is not None else 0)

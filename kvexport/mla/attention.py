@@ -23,8 +23,8 @@ reproduces the GQA attention exactly.
 Two paths, selectable per module with ``absorb``:
 - naive (decompressed): up-project every cached latent to per-head [k_nope ; RoPE(k_pe)] and v, attend.
 - absorbed: ``q̃_i = [W_UK,iᵀ q_i ; W_QR,i q_i]`` so the score is ``[q̃_i ; RoPE(.)] · [c_j ; RoPE(k_pe,j)]``;
-  attention runs over the latent directly (:func:`latent_attention`, the LatentAttention custom op of
-  docs/custom_ops.md), then ``o_i = W_UV,i Σ_j p_ij c_j + b_V,i``.
+  attention runs over the latent directly (:func:`kvexport.ops.latent_attention.latent_attention`, the
+  LatentAttention custom op of docs/custom_ops.md), then ``o_i = W_UV,i Σ_j p_ij c_j + b_V,i``.
 
 Biases: the K-nope bias adds ``q_i · b_K,i`` to every logit of a query, a constant the softmax removes, so
 the absorbed path drops it exactly; the V bias passes through the convex combination (Σ_j p_ij = 1) and
@@ -45,21 +45,7 @@ from kvexport.mla.config import MLALayerPlan
 from kvexport.models.attention import RMSNorm, grouped_attention, reads_in_parts
 from kvexport.models.rope import Rotary
 from kvexport.models.spec import ModelSpec
-
-
-def latent_attention(q, latent, q_positions, latent_positions, rank: int, scale: float, new_latent=None,
-                     latent_scale=None, latent_format: int = 0) -> torch.Tensor:
-    """The ``kvexport::LatentAttention`` op: q (B, Hq, T, R + Dr), latent (B, S, R + Dr) -> out (B, Hq, T, R).
-
-    Version 2 (a quantized cache): latent (B, 1, S, R + Dr) uint8 codes, latent_scale (B, S) float16,
-    ``latent_format`` 1 / 2, and this step's rows new_latent (B, T, R + Dr) as a second part.
-    Its one reference is :func:`kvexport.export.ops.latent_attention_reference` (docs/custom_ops.md); the
-    exporter routes this call to the custom op while tracing.
-    """
-    from kvexport.export.ops import latent_attention_reference
-
-    return latent_attention_reference(q, latent, q_positions, latent_positions, rank, scale, new_latent, latent_scale,
-                                      latent_format)
+from kvexport.ops.latent_attention import latent_attention
 
 
 def latent_input_dim(spec: ModelSpec) -> int:
@@ -172,7 +158,7 @@ class MLAAttention(nn.Module):
         """o_lat (B, Hq, T, R), the attention-weighted latent -> per-head outputs (B, Hq, T, D) = W_UV,i o + b_V,i."""
         # matmul, not einsum, here and in the queries: onnxruntime's Einsum permutes the weight on every call (MLA's
         # three per-head products took 56 % of a 385M model's decode step); the exporter stores the transposed
-        # weight once (kvexport.export.exporter._fold_weight_reshapes), so each is a plain MatMul
+        # weight once (kvexport.export.onnx_graph._fold_weight_reshapes), so each is a plain MatMul
         out = torch.matmul(o_lat, self.w_uv().transpose(-1, -2))  # (B, Hq, T, r_kv) @ (Hq, r_kv, D)
         b = self.b_uv()
         return out if b is None else out + b[None, :, None, :]

@@ -7,7 +7,7 @@ Layout::
                          source_model (absolute path of the HF directory it was rewritten from, or null)
     model.safetensors    the Decoder's state dict (tied embeddings stored once)
     tokenizer*.json ...  copied from the source model directory when it has one
-    manifest.json        sha256 of every file above (kvexport.export.manifest, kind "mla-model")
+    manifest.json        sha256 of every file above (kvexport.manifest, kind "mla-model")
 
 Writes go to a temporary sibling directory that is renamed into place at the end, so a failure never
 leaves a half-written model; the directory and its files get the modes of the user's umask
@@ -44,7 +44,7 @@ WORKING_FILES = ("checkpoints", "distill_log.jsonl", "distill_summary.json")
 
 def verify_mla_files(path: str | Path) -> None:
     """BadArtifact naming the first missing, altered or foreign file of an MLA directory (its manifest.json)."""
-    from kvexport.export.manifest import verify_manifest
+    from kvexport.manifest import verify_manifest
 
     verify_manifest(path, kind=MANIFEST_KIND, working=WORKING_FILES, check_version=False)
 
@@ -116,7 +116,7 @@ def save_mla(dec, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
             for name in TOKENIZER_FILES:
                 if (Path(src) / name).is_file():
                     shutil.copy2(Path(src) / name, tmp / name)
-        from kvexport.export.manifest import write_manifest
+        from kvexport.manifest import write_manifest
 
         write_manifest(tmp, MANIFEST_KIND, {"mla": cfg["settings"], "kv_ranks": [lp["kv_rank"] for lp in cfg["layers"]],
                                             "dtype": cfg["dtype"]})
@@ -209,3 +209,20 @@ def load_mla(path: str | Path, dtype: str | torch.dtype | None = None, device: s
     dec.source_dir = p
     dec.source_model = _hf_dir(cfg.get("source_model"))
     return dec.eval()
+
+
+def load_decoder(model: str | Path | torch.nn.Module, dtype: str | torch.dtype = "fp32"):
+    """Any model kvexport reads -> (kvexport Decoder, HF model or None): an HF directory, a ``.gguf`` file or a loaded
+    transformers model -> (Decoder sharing its weights, the HF model); a kvexport MLA directory -> (MLA Decoder,
+    None)."""
+    from kvexport.models.decoder import Decoder
+    from kvexport.models.gguf import model_dir
+    from kvexport.models.loading import load_hf_model, resolve_dtype
+
+    resolve_dtype(dtype)
+    if not isinstance(model, torch.nn.Module):
+        model = model_dir(model)
+        if is_mla_dir(model):
+            return load_mla(model, dtype), None
+    hf = load_hf_model(model, dtype)
+    return Decoder.from_hf(hf), hf

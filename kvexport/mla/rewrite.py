@@ -38,7 +38,7 @@ from kvexport.mla.rank import energy_rank, truncated_svd
 from kvexport.mla.rope_plan import rope_plan
 from kvexport.models.attention import GQAAttention
 from kvexport.models.decoder import Decoder
-from kvexport.models.loading import drop_file_pages
+from kvexport.models.release import drop_file_pages
 
 #: ridge added to the calibration second moment of u, relative to its mean diagonal
 RIDGE = 1e-6

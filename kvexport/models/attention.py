@@ -9,9 +9,12 @@ cache, a decode step, left padding (position -1), and the presses' attention est
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
+from kvexport.cache.visibility import visible
 from kvexport.models.rope import Rotary
 from kvexport.models.spec import ModelSpec
 
@@ -32,16 +35,6 @@ class RMSNorm(nn.Module):
         xf = x.to(torch.float32)
         xf = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
-
-
-def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
-    """q_pos (B, T), k_pos (B, Hc, S) -> bool (B, Hc, T, S): key j visible to query t."""
-    kp = k_pos[:, :, None, :]  # (B, Hc, 1, S)
-    qp = q_pos[:, None, :, None]  # (B, 1, T, 1)
-    vis = (kp >= 0) & (kp <= qp)
-    if sliding_window is not None:
-        vis = vis & (qp - kp < int(sliding_window))
-    return vis
 
 
 def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
@@ -104,7 +97,7 @@ def attention(q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos, scaling
     cache whose length is a symbolic dimension (a bucketed full cache, traced with a dynamic capacity axis) is
     read as two parts: its size is not known when the graph is made.
     """
-    if _eager() and q.dtype == torch.float32 and k_past.dtype == q.dtype:
+    if _FUSED_EAGER and _eager() and q.dtype == torch.float32 and k_past.dtype == q.dtype:
         return _attention_eager(q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos, scaling, sliding_window)
     if not isinstance(k_past.shape[2], torch.SymInt) and k_past.shape[2] == 0:
         return attention_over_parts(q, [(k_new, v_new, pos_new)], q_pos, scaling, sliding_window)
@@ -114,6 +107,25 @@ def attention(q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos, scaling
     out, _ = grouped_attention(q, torch.cat([k_past, k_new], dim=2), torch.cat([v_past, v_new], dim=2), q_pos,
                                torch.cat([pos_past, pos_new], dim=2), scaling, sliding_window=sliding_window)
     return out
+
+
+#: whether eager float32 attention runs through torch's fused kernel (:func:`fused_eager_attention`); off by default
+_FUSED_EAGER = False
+
+
+@contextlib.contextmanager
+def fused_eager_attention(on: bool = True):
+    """Within this block, eager float32 attention runs through ``scaled_dot_product_attention``
+    (:func:`_attention_eager`): 2-3x faster on a CPU at 4k-token caches, equal to the traced forms to rounding
+    (1e-7), but not bit for bit. The studies and the sweep turn it on; the library path, the validation reference
+    and everything compared with an export keep the traced forms, whose rounding the exports share (a cache stored
+    in int8 turns a 1e-7 difference into a code apart, and at a near tie into another kept token)."""
+    global _FUSED_EAGER
+    before, _FUSED_EAGER = _FUSED_EAGER, bool(on)
+    try:
+        yield
+    finally:
+        _FUSED_EAGER = before
 
 
 def _eager() -> bool:
@@ -126,15 +138,18 @@ def _attention_eager(q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos, 
     torch's fused ``scaled_dot_product_attention``, the rule of :func:`visible` as an additive bias of
     ``finfo.min`` (so a query that sees no key averages uniformly, as :func:`grouped_attention` does). 2-3x faster
     on a CPU at 4k-token caches; equal to the traced forms to rounding (1e-7)."""
-    B, Hq, T, _ = q.shape
+    B, Hq, T, Dk = q.shape
     Hc = k_new.shape[1]
     k = torch.cat([k_past, k_new], dim=2)
     v = torch.cat([v_past, v_new], dim=2)
+    S = k.shape[2]
     vis = visible(q_pos, torch.cat([pos_past, pos_new], dim=2), sliding_window)  # (B, Hc, T, S)
     bias = torch.where(vis, 0.0, torch.finfo(torch.float32).min)
-    bias = bias[:, :, None].expand(B, Hc, Hq // Hc, T, k.shape[2]).reshape(B, Hq, T, k.shape[2])
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scaling,
-                                                            enable_gqa=Hq != Hc)
+    # one (batch, KV head) per SDPA batch entry, its G query heads sharing one key head and one bias: no G copies
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.reshape(B * Hc, Hq // Hc, T, Dk), k.reshape(B * Hc, 1, S, Dk), v.reshape(B * Hc, 1, S, v.shape[-1]),
+        attn_mask=bias.reshape(B * Hc, 1, T, S), scale=scaling, enable_gqa=Hq != Hc)
+    return out.reshape(B, Hq, T, v.shape[-1])
 
 
 def attention_over_parts(q, parts, q_pos, scaling: float, sliding_window: int | None = None) -> torch.Tensor:
@@ -233,10 +248,10 @@ class GQAAttention(nn.Module):
 
     def _step_in_place(self, h, positions, past_k, past_v, past_pos):
         """The in-place decode graph's layer step (T = 1): the projections in (B, 1, H * D) layout, rotated, written
-        into the cache at ``step_slots`` and attended by one :func:`kvexport.export.ops.cache_step_attention`
+        into the cache at ``step_slots`` and attended by one :func:`kvexport.ops.cache_step_attention.cache_step_attention`
         (onnxruntime's GroupQueryAttention). -> out (B, 1, H), the updated k / v cache, q_pre (B, Hq, 1, D) for the
         query ring. The same arithmetic as :meth:`forward`; only the layout and the one fused op differ."""
-        from kvexport.export import ops
+        from kvexport import ops
 
         B, T, _ = h.shape
         Hq, Hc, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -251,7 +266,7 @@ class GQAAttention(nn.Module):
         bias = torch.where(vis, 0.0, torch.finfo(torch.float32).min).to(q.dtype)
         if Hq != Hc:
             bias = bias.index_select(1, torch.arange(Hq, device=bias.device) // (Hq // Hc))
-        out, k_cache, v_cache = ops.cache_step_attention(
+        out, k_cache, v_cache = ops.cache_step_attention.cache_step_attention(
             q, k, v, past_k, past_v, bias, self.step_slots, cos[:, 0, :half], sin[:, 0, :half], float(self.scaling),
             Hq, Hc)
         return self.o_proj(out), k_cache, v_cache, q.view(B, T, Hq, D).transpose(1, 2)

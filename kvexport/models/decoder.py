@@ -14,11 +14,12 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from kvexport.cache.plan import CachePlan
-from kvexport.cache.static_cache import LayerCache, ScoreContext, StaticCache
+from kvexport.cache.static_cache import LayerCache, StaticCache
 from kvexport.errors import BadUsage
 from kvexport.models.attention import GQAAttention, RMSNorm
 from kvexport.models.rope import Rotary
 from kvexport.models.spec import ModelSpec
+from kvexport.presses.context import ScoreContext
 
 
 class MLP(nn.Module):
@@ -132,8 +133,7 @@ class Decoder(nn.Module):
         if window < (1 if press is not None else 0):
             raise BadUsage(f"window {window} must be >= 1")
         evicting = press is not None
-        plan = CachePlan(tuple(int(b) for b in budgets) if evicting else tuple(int(b) + int(window) for b in budgets),
-                         int(window) if evicting else 0, evicting, chunk, lookahead=int(lookahead) if evicting else 0)
+        plan = CachePlan.for_press(evicting, budgets, window, chunk, lookahead)
         p = next(self.parameters())
         layers = []
         for i, layer in enumerate(self.layers):
@@ -143,7 +143,8 @@ class Decoder(nn.Module):
                                sliding_window=getattr(attn, "sliding_window", None))
             layers.append(LayerCache(batch, attn.cache_heads, attn.key_dim, attn.value_dim, attn.num_heads,
                                      attn.score_dim if hasattr(attn, "score_dim") else attn.head_dim,
-                                     plan.budgets[i], plan.window, p.dtype, p.device, ctx, evicting))
+                                     plan.budgets[i], plan.window, p.dtype, p.device, ctx, evicting,
+                                     capacity=plan.capacities[i]))
         return StaticCache(layers, press, plan)
 
     # ----------------------------------------------------------------- running

@@ -24,7 +24,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from kvexport.errors import BadModel, MissingBackend
+from kvexport.errors import BadModel, BadUsage, MissingBackend
 from kvexport.models.spec import SUPPORTED_FAMILIES, supported_families_text
 
 #: GGUF ``general.architecture`` -> transformers ``model_type`` for the families kvexport supports (llama.cpp
@@ -134,7 +134,7 @@ def _write_hf_dir(src: Path, out: Path, source: dict) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvexport.models.loading import free_memory
+    from kvexport.models.release import free_memory
 
     try:
         tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
@@ -168,4 +168,18 @@ def gguf_source(model_dir_path: str | os.PathLike) -> dict | None:
         return None
 
 
-__all__ = ["ARCHITECTURES", "is_gguf", "cache_root", "inspect_gguf", "materialize", "model_dir", "gguf_source"]
+def resolve_model(model: str | None) -> str:
+    """A command's model argument -> the directory it loads: None -> the bundled reference student; a ``.gguf``
+    file -> its HF directory (:func:`kvexport.models.gguf.model_dir`: an unsupported architecture is refused before
+    anything is written); a directory unchanged."""
+    from kvexport.paths import DEFAULT_MODEL
+
+    if model is None:
+        if not DEFAULT_MODEL.exists():
+            raise BadUsage(f"no MODEL given and the bundled model {DEFAULT_MODEL} is missing")
+        return str(DEFAULT_MODEL)
+    return str(model_dir(model))
+
+
+__all__ = ["ARCHITECTURES", "is_gguf", "cache_root", "inspect_gguf", "materialize", "model_dir", "gguf_source",
+           "resolve_model"]

@@ -42,7 +42,20 @@ def make_press(name: str, compression_ratio: float | None = None, budget: int | 
     return cls(compression_ratio=compression_ratio, budget=budget, **kw)
 
 
+def build_press(press: str | None, budget: int | None, ratio: float | None, neighbors: int = 0):
+    """A press name and ``--budget`` / ``--ratio`` / ``--neighbors`` options -> a press object, or None for 'none'
+    (one line when the options do not go together)."""
+    if press in (None, "none"):
+        if budget is not None or ratio is not None or neighbors:
+            raise BadUsage("--budget/--ratio/--neighbors need a --press (accepted: a press name, not 'none')")
+        return None
+    if budget is None and ratio is None:
+        raise BadUsage(f"--press {press} needs --budget N (tokens kept) or --ratio R in [0, 1)")
+    return make_press(press, compression_ratio=ratio, budget=budget, neighbors=int(neighbors))
+
+
 __all__ = [
+    "build_press",
     "PRESSES",
     "make_press",
     "ScoreInputs",

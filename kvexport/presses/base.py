@@ -29,7 +29,7 @@ class ScoreInputs:
     scaling: softmax scale of the attention logits
     n_keep: how many candidates the cache will keep per (batch, head) in this layer
     sliding_window: the layer's attention window (None = unlimited): key j is visible to query t iff
-        ``0 <= pos_j <= pos_t`` and ``pos_t - pos_j < sliding_window`` (:func:`kvexport.models.attention.visible`)
+        ``0 <= pos_j <= pos_t`` and ``pos_t - pos_j < sliding_window`` (:func:`kvexport.cache.visibility.visible`)
     observers_are_candidates: the observation queries are the last candidates' own (a chunk observing itself,
         decode compaction); False when a lookahead tail observes a chunk (kvexport.cache.plan rule 3b): its
         tokens are not candidates, so nothing is kept for being an observer

@@ -8,7 +8,7 @@ Conventions (see :class:`~kvexport.presses.base.ScoreInputs`):
 - Hq query heads share Hc cache heads, ``G = Hq // Hc``; query head ``h`` reads cache head ``h // G``
   (HF's ``repeat_kv`` layout). MLA latent caches have Hc = 1 and G = Hq.
 - The observation queries are pre-RoPE and rotated here with ``inputs.rotary.apply(q, query_positions)``.
-- Key j is visible to query t by :func:`kvexport.models.attention.visible` (causal by position, the layer's
+- Key j is visible to query t by :func:`kvexport.cache.visibility.visible` (causal by position, the layer's
   sliding window, padding never visible), the rule attention itself uses.
 - The real queries of a row are its last ones, and their tokens are its last candidates (kvexport.cache.plan
   rule 6); padding queries contribute nothing.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from kvexport.cache.visibility import visible as visible_by_position
 from kvexport.presses.base import ScoreInputs
 
 
@@ -29,8 +30,6 @@ def query_valid(inputs: ScoreInputs, last: int | None = None) -> torch.Tensor:
 
 def visible(inputs: ScoreInputs, last: int | None = None) -> torch.Tensor:
     """(B, Hc, Q', S) bool: candidate j visible to (real) observation query t."""
-    from kvexport.models.attention import visible as visible_by_position
-
     qp = inputs.query_positions if last is None else inputs.query_positions[:, -last:]
     return visible_by_position(qp, inputs.positions, inputs.sliding_window) & (qp >= 0)[:, None, :, None]
 

@@ -6,7 +6,7 @@ Nothing here imports a GPU library at module load; NVML, CUDA and TensorRT are p
 
 from __future__ import annotations
 
-from kvexport.profile.kv_bytes import CacheShape, cache_table, full_cache_of
+from kvexport.cache.memory import CacheShape, cache_table, full_cache_of
 from kvexport.profile.memory import PeakRSS, rss_bytes
 from kvexport.profile.profiler import environment, percentile, profile_runner, prompt_ids
 from kvexport.profile.run import BACKENDS, profile_dir

@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from kvexport.profile.kv_bytes import CacheShape
+from kvexport.cache.memory import CacheShape
 from kvexport.profile.memory import PeakRSS, gpu_present, nvml_device_memory, torch_cuda_peak, torch_cuda_reset_peak
+from kvexport.profile.runners import ProfiledDriver
 from kvexport.profile.tegrastats import TegraStatsSampler, is_jetson
 
 
@@ -44,7 +45,7 @@ def spread(xs: list[float]) -> dict[str, float]:
     return {"p10": p10, "p50": p50, "p90": p90, "relative": (p90 - p10) / p50 if p50 > 0 else 0.0}
 
 
-def profile_runner(runner, contexts: list[int], decode_steps: int, vocab_size: int, seed: int = 0,
+def profile_runner(runner: ProfiledDriver, contexts: list[int], decode_steps: int, vocab_size: int, seed: int = 0,
                    warmup: bool = True, tegrastats_interval_ms: int = 100, repeats: int = DEFAULT_REPEATS,
                    on_step=None) -> dict[str, Any]:
     """-> ``{"backend", "contexts": [{context, repeats, prefill_s, ttft_s, decode_ms_p50, decode_ms_p90,
@@ -55,16 +56,15 @@ def profile_runner(runner, contexts: list[int], decode_steps: int, vocab_size: i
     ``decode_ms_p90`` are medians over the runs (of each run's TTFT, p50 and p90 step), ``decode_ms_mean`` pools
     every step, and ``spread`` holds p10/p50/p90 over the runs of those three (how much they moved between
     runs; the figure itself is that p50).
-    ``resident``: what the runner keeps resident for one sequence (``runner.resident_bytes()``) when it says.
+    A run is the one loop's :func:`~kvexport.runtime.loop.generate` on ``runner.driver`` (a step driver): TTFT is
+    its prefill time, the steps its per-step times (each with its compaction).
+    ``resident``: what the driver keeps resident for one sequence (``runner.resident_bytes()``).
     ``on_step(message)``: called before each timed run ("context 2048, run 2/3")."""
     if repeats < 1:
         raise ValueError(f"repeats {repeats} must be >= 1")
     shape: CacheShape | None = getattr(runner, "cache_shape", None)
     if warmup:
-        runner.start(16 + 2)
-        tok = runner.prefill(prompt_ids(min(16, min(contexts)), vocab_size, seed + 1))
-        for _ in range(2):
-            tok = runner.decode(tok)
+        runner.generate(prompt_ids(min(16, min(contexts)), vocab_size, seed + 1), 3)
     jetson = is_jetson()
     gpu = gpu_present()
     rows = []
@@ -81,16 +81,9 @@ def profile_runner(runner, contexts: list[int], decode_steps: int, vocab_size: i
                 for r in range(repeats):
                     if on_step is not None:
                         on_step(f"context {C}, run {r + 1}/{repeats}")
-                    runner.start(C + decode_steps)
-                    t0 = time.perf_counter()
-                    tok = runner.prefill(ids)
-                    ttfts.append(time.perf_counter() - t0)
-                    steps = []
-                    for _ in range(decode_steps):
-                        t1 = time.perf_counter()
-                        tok = runner.decode(tok)
-                        steps.append((time.perf_counter() - t1) * 1e3)
-                    runs.append(steps)
+                    res = runner.generate(ids, decode_steps + 1)
+                    ttfts.append(res.prefill_seconds)
+                    runs.append([s * 1e3 for s in res.decode_seconds])
         finally:
             if sampler is not None:
                 sampler.__exit__(None, None, None)
@@ -118,8 +111,7 @@ def profile_runner(runner, contexts: list[int], decode_steps: int, vocab_size: i
         }
         if shape is not None:
             row["kv_bytes"] = shape.bytes_at(C + decode_steps)
-        if hasattr(runner, "resident_bytes"):
-            row["resident"] = {k: int(v) for k, v in dict(runner.resident_bytes()).items()}
+        row["resident"] = {k: int(v) for k, v in dict(runner.resident_bytes()).items()}
         if gpu:
             dev = nvml_device_memory()
             if dev is not None:

@@ -16,11 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvexport import layout
 from kvexport.atomic import atomic_write_bytes, rebase_paths
-from kvexport.convert import layout
+from kvexport.cache.memory import CacheShape, cache_table, full_cache_of
+from kvexport.cache.plan import DEFAULT_WINDOW
 from kvexport.errors import BadArtifact, BadUsage
-from kvexport.profile.kv_bytes import CacheShape, cache_table, full_cache_of
 from kvexport.profile.profiler import DEFAULT_REPEATS, MachineLoad, environment, profile_runner
+from kvexport.profile.runners import ProfiledDriver
 
 BACKENDS = ("onnxruntime", "tensorrt", "pytorch")
 PROFILE_VERSION = 1
@@ -99,16 +101,18 @@ def cache_shape_of(d: Path, settings: dict[str, Any], spec) -> CacheShape:
         ms = man.get("settings") or {}
         if ms.get("mode") == "static" and ms.get("capacities"):
             capacity = int(max(ms["capacities"]))
+    kv_dtype = settings.get("kv_dtype")
+    if man is not None and (man.get("settings") or {}).get("kv_dtype"):
+        kv_dtype = man["settings"]["kv_dtype"]  # what the export stores (the convert setting, resolved)
     return CacheShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, ranks, rope, budget, window,
-                      2 if settings.get("fp16") else 4, capacity)
+                      2 if settings.get("fp16") else 4, capacity, kv_dtype=kv_dtype)
 
 
-def _pytorch_runners(d: Path, settings: dict[str, Any], shape: CacheShape, max_tokens: int, with_baseline: bool):
+def _pytorch_runners(d: Path, settings: dict[str, Any], shape: CacheShape, with_baseline: bool):
     """-> {variant: () -> runner}: each model is loaded only when its variant is profiled."""
-    from kvexport.mla.io import is_mla_dir, load_mla
-    from kvexport.models.loading import load_decoder
+    from kvexport.mla.io import is_mla_dir, load_decoder, load_mla
     from kvexport.presses import make_press
-    from kvexport.profile.runners import PyTorchRunner
+    from kvexport.runtime.torch_driver import TorchDriver
 
     model = settings.get("model")
     if not model:
@@ -120,36 +124,50 @@ def _pytorch_runners(d: Path, settings: dict[str, Any], shape: CacheShape, max_t
         press = make_press(settings["press"], budget=int(settings["budget"]))
     mla_dir = d / layout.MLA_DIR
     weights = sorted(Path(model).glob("*.safetensors"))
+    window = int(settings.get("window") or DEFAULT_WINDOW)
 
     def converted():
         if is_mla_dir(mla_dir):
             dec, files = load_mla(mla_dir, dtype), sorted(mla_dir.glob("*.safetensors"))
         else:
             dec, files = load_decoder(model, dtype)[0], weights
-        return PyTorchRunner(dec, press, settings.get("budget"), int(settings.get("window") or 32), chunk, max_tokens,
-                             files, shape)
+        return ProfiledDriver(TorchDriver(dec, press, window, chunk), "pytorch", files, shape)
 
     runners = {"converted": converted}
     if with_baseline:
-        runners["baseline"] = lambda: PyTorchRunner(load_decoder(model, dtype)[0], None, None, 1, chunk, max_tokens,
-                                                    weights, full_cache_of(shape))
+        runners["baseline"] = lambda: ProfiledDriver(TorchDriver(load_decoder(model, dtype)[0], None, chunk=chunk),
+                                                     "pytorch", weights, full_cache_of(shape))
     return runners
 
 
 def _onnx_runners(d: Path, shape: CacheShape, with_baseline: bool, backend: str):
     """-> {variant: () -> runner}: each export's sessions are made only when its variant is profiled."""
-    from kvexport.profile.runners import OrtRunner, TensorRTRunner
-
     exp = layout.export_dir_of(d)
     base = d / layout.BASELINE_DIR
     if backend == "tensorrt":
         engines = d / layout.ENGINE_DIR if (d / layout.ENGINE_DIR).is_dir() else None
+
+        def trt():
+            from kvexport.tensorrt.generator import TrtGenerator
+
+            gen = TrtGenerator(exp, engines=engines)
+            files = sorted(p for p in gen.engine_dir.rglob("*") if p.is_file() and p.suffix in (".engine", ".plan"))
+            return ProfiledDriver(gen, "tensorrt", files, shape, name=str(exp))
+
         # the growing-past baseline has no static shapes to build engines for, and timing it on another backend
         # would not be a comparison: profile it with --backend onnxruntime
-        return {"converted": lambda: TensorRTRunner(exp, shape, engines=engines)}
-    runners = {"converted": lambda: OrtRunner(exp, shape)}
+        return {"converted": trt}
+
+    def ort(directory: Path, cache_shape: CacheShape):
+        from kvexport.runtime.onnxruntime import open_onnxruntime
+
+        files = sorted(p for p in directory.rglob("*") if p.is_file() and (p.suffix == ".onnx" or
+                                                                           p.name.endswith(".data")))
+        return ProfiledDriver(open_onnxruntime(directory), "onnxruntime", files, cache_shape, name=str(directory))
+
+    runners = {"converted": lambda: ort(exp, shape)}
     if with_baseline and base.is_dir():
-        runners["baseline"] = lambda: OrtRunner(base, full_cache_of(shape))
+        runners["baseline"] = lambda: ort(base, full_cache_of(shape))
     return runners
 
 
@@ -205,10 +223,10 @@ def profile_dir(d: str | Path, backend: str = "onnxruntime", contexts: list[int]
     if backend == "pytorch" and settings.get("plain_export") and settings.get("mla_ranks"):
         raise BadUsage(f"{d} is a bare MLA export: profile the PyTorch path on the `kvexport convert` directory "
                        "that holds its mla/ model")
-    from kvexport.models.loading import free_memory
+    from kvexport.models.release import free_memory
 
     if backend == "pytorch":
-        runners = _pytorch_runners(d, settings, shape, max(keep) + decode_steps, baseline)
+        runners = _pytorch_runners(d, settings, shape, baseline)
     else:
         runners = _onnx_runners(d, shape, baseline, backend)
     t0 = time.perf_counter()
@@ -220,6 +238,7 @@ def profile_dir(d: str | Path, backend: str = "onnxruntime", contexts: list[int]
             step = None if progress is None else (lambda m, name=name: progress(f"{name}: {m}"))
             variants[name] = profile_runner(runner, keep, decode_steps, spec.vocab_size, seed, repeats=repeats,
                                             on_step=step)
+            runner.close()
             runner = None
             free_memory()
     result = {

@@ -49,7 +49,7 @@ def write_report(out_dir: str | Path, shown_as: str | Path | None = None) -> dic
     if rep.get("parity") is not None:
         public["parity"] = {k: v for k, v in rep["parity"].items() if k != "raw"}
     _atomic_write(d / "report.json", json.dumps(public, indent=2, default=str).encode("utf-8"))
-    from kvexport.convert import layout
+    from kvexport import layout
 
     if layout.has_outputs_manifest(d):
         layout.record_outputs(d)  # the new report files' hashes

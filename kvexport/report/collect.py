@@ -63,7 +63,7 @@ def collect(out_dir: str | Path) -> dict[str, Any]:
     d = Path(out_dir)
     if not d.is_dir():
         raise BadArtifact(f"{d} is not a directory made by kvexport convert")
-    from kvexport.convert import layout
+    from kvexport import layout
 
     layout.verify_conversion(d, layout.REPORT_OUTPUTS)  # a damaged conversion is refused (exit 4, naming the file), never reported on
     convert = read_json(d / "convert.json")

@@ -55,23 +55,6 @@ def fidelity_summary(fid: dict[str, Any]) -> str:
     return ", ".join(parts) or "no figures"
 
 
-def fidelity_gate_failure(fid: dict[str, Any] | None) -> str | None:
-    """One line naming the fidelity gate that failed (``--min-agreement``, ``--max-ppl-increase``), or None."""
-    if not isinstance(fid, dict):
-        return None
-    g = fid.get("gates") or {}
-    if g.get("passed") is not False:
-        return None
-    why = []
-    if g.get("min_agreement") is not None and fid.get("next_token_agreement", 1.0) < g["min_agreement"]:
-        why.append(f"next-token agreement {fmt_pct(fid['next_token_agreement'])} < --min-agreement "
-                   f"{g['min_agreement']:g}")
-    if g.get("max_ppl_increase") is not None and fid.get("ppl_increase", 0.0) > g["max_ppl_increase"]:
-        why.append(f"perplexity {fmt_pct(fid['ppl_increase'], signed=True)} > --max-ppl-increase "
-                   f"{g['max_ppl_increase']:g}")
-    return "fidelity gate failed: " + ("; ".join(why) or "see the fidelity block of parity.json")
-
-
 def _is_cpu(prof: dict[str, Any]) -> bool:
     env = prof.get("environment") or {}
     return prof.get("backend") in ("onnxruntime", "pytorch") and not env.get("gpu") and not env.get("jetson")
@@ -548,4 +531,4 @@ def _stages(rep: dict[str, Any]) -> Section | None:
     return s
 
 
-__all__ = ["build_sections", "fidelity_summary", "fidelity_gate_failure", "profile_warnings", "all_warnings", "SPREAD_WARN", "SLOWER_WARN"]
+__all__ = ["build_sections", "fidelity_summary", "profile_warnings", "all_warnings", "SPREAD_WARN", "SLOWER_WARN"]

@@ -48,7 +48,7 @@ class ServedModel:
 
 def resolve_export(directory: str | Path, backend: str = "onnxruntime") -> tuple[Path, Path | None]:
     """(the export directory, the TensorRT engine folder or None) of an export or conversion directory."""
-    from kvexport.convert import layout
+    from kvexport import layout
 
     d = Path(directory)
     if not d.is_dir():

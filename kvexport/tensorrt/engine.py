@@ -229,9 +229,9 @@ def find_onnx_graphs(export_dir: str | Path) -> list[Path]:
     """Every ``*.onnx`` graph of an exported directory (top level first, else any depth), sorted by name.
 
     Files ending in ``.trt*.onnx`` (our own temporary parser copies) and onnxruntime-only graphs
-    (:data:`kvexport.export.manifest.ORT_ONLY_SUFFIX`: the in-place decode step) are ignored.
+    (:data:`kvexport.manifest.ORT_ONLY_SUFFIX`: the in-place decode step) are ignored.
     """
-    from kvexport.export.manifest import ORT_ONLY_SUFFIX
+    from kvexport.manifest import ORT_ONLY_SUFFIX
 
     d = Path(export_dir)
 

@@ -1,15 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Generation with TensorRT engines: the step API of :class:`kvexport.export.runtime.OrtGenerator` on engines.
+"""Generation with TensorRT engines: the step driver of an export on its engines.
 
 ``TrtGenerator(export_dir, engines=None, plugins=None)`` reads the export's manifest (settings, host rules) and
 the engine folder ``kvexport build-engine`` wrote (default ``EXPORT_DIR-tensorrt``: ``<graph>.engine`` per ONNX
 graph, ``engines.json``, its own ``manifest.json`` recording the sha256 of the export's manifest). The host side
-(the cache plan, the in-place writes of each step's new rows, compactions, ``kept_positions``, ``on_compaction``)
-is inherited from ``OrtGenerator``; only where the buffers live and how a graph is called differ: each graph runs
-through a :class:`~kvexport.tensorrt.runner.TensorRTRunner` (or any object with Polygraphy's
-``infer(feed_dict)``), the cache buffers are device tensors (torch CUDA) written in place, and the decode step's
-outputs are bound to preallocated device buffers. Static-cache exports only (the growing-past baseline has no
-fixed shapes to build engines for).
+(the cache plan, the writes of each step's new rows, compactions, kept positions) is the one host,
+:class:`kvexport.runtime.host.GraphHost`; this module only says where the buffers live and how a graph is called
+(:class:`TrtEngines`): each graph runs through a :class:`~kvexport.tensorrt.runner.TensorRTRunner` (or any object
+with Polygraphy's ``infer(feed_dict)``), the cache buffers are device tensors (torch CUDA) written in place, and the
+decode step's outputs are bound to preallocated device buffers. Static-cache exports only (the growing-past
+baseline has no fixed shapes to build engines for).
 
 Without TensorRT or a CUDA GPU, constructing one raises :class:`~kvexport.errors.MissingBackend` with one line.
 """
@@ -23,9 +23,9 @@ from typing import Any, Callable
 import numpy as np
 
 from kvexport.errors import BadArtifact, MissingBackend
-from kvexport.export.manifest import MANIFEST, ORT_ONLY_SUFFIX, sha256_file, verify_manifest
-from kvexport.export.manifest import ONNX_EXPORT as KIND
-from kvexport.export.runtime import NP_DTYPES, OrtGenerator
+from kvexport.manifest import MANIFEST, ORT_ONLY_SUFFIX, sha256_file, verify_manifest
+from kvexport.manifest import ONNX_EXPORT as KIND
+from kvexport.runtime.host import GraphHost
 
 ENGINE_KIND = "tensorrt-engines"
 
@@ -55,14 +55,15 @@ def _to_numpy(x) -> np.ndarray:
     return np.asarray(x)
 
 
-class TrtGenerator(OrtGenerator):
-    """Greedy generation / step API on TensorRT engines (same host rules and results as ``OrtGenerator``).
+class TrtEngines:
+    """The engines of an export as the host's backend: one Polygraphy-style runner (context manager with ``infer``)
+    per graph, device buffers as torch CUDA tensors (host arrays with a stand-in runner on the CPU).
 
-    runner_factory(engine_path, plugins) -> a Polygraphy-style runner (context manager with ``infer``); the
-    default is :class:`~kvexport.tensorrt.runner.TensorRTRunner`, which needs TensorRT and a CUDA GPU.
-    """
+    runner_factory(engine_path, plugins) -> a runner; the default is
+    :class:`~kvexport.tensorrt.runner.TensorRTRunner`, which needs TensorRT and a CUDA GPU."""
 
     backend = "tensorrt"
+    inplace = False
 
     def __init__(self, path: str | Path, engines: str | Path | None = None, plugins: str | Path | None = None,
                  runner_factory: Callable | None = None):
@@ -89,35 +90,33 @@ class TrtGenerator(OrtGenerator):
             self.runners[name] = r
         self.providers = ["TensorRT"]
         self.device = getattr(runner_factory, "device", "cpu")  # a stand-in runner: host arrays
-        self.batch = int(s["batch"])
-        self.dtype = NP_DTYPES[s["dtype"]]
-        self.dynamic = False
-        self.press = s["press"]
-        self.on_compaction = None
-        self.last_logits = None
-        self._alloc()
-        self.reset()
 
     def close(self) -> None:
         for r in self.runners.values():
             r.deactivate()
         self.runners = {}
 
-    def __enter__(self) -> "TrtGenerator":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    # ------------------------------------------------------------------ backend hooks of OrtGenerator
-    def _array(self, shape, dtype, fill=0):
+    def array(self, shape, dtype, fill=0):
         if self.device == "cpu":  # a stand-in runner without a GPU (tests)
             return np.full(shape, fill, dtype)
         import torch
 
         return torch.from_numpy(np.full(shape, fill, dtype)).to("cuda")
 
-    def _call(self, graph: str, feeds: dict, arrays: dict, outputs: dict, persistent: bool = False) -> dict:
+    def to_device(self, x):
+        if self.device == "cpu" or not isinstance(x, np.ndarray):
+            return x
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(x)).to(self.device)
+
+    def forget(self, buffers, unbind: bool = False) -> None:
+        return None  # nothing is bound across calls
+
+    def bound(self, graph: str) -> bool:
+        return False
+
+    def call(self, graph: str, feeds: dict, arrays: dict, outputs: dict, persistent: bool = False) -> dict:
         r = self.runners[graph]
         feed = {**feeds, **arrays}
         impl = getattr(r, "infer_impl", None)
@@ -128,10 +127,28 @@ class TrtGenerator(OrtGenerator):
         out = dict(outputs)
         for name, value in got.items():
             if name in outputs:
-                outputs[name][...] = self._host(_to_numpy(value)) if self.device == "cpu" else value
+                outputs[name][...] = self.to_device(_to_numpy(value)) if self.device == "cpu" else value
             else:
-                out[name] = self._host(_to_numpy(value))
+                out[name] = self.to_device(_to_numpy(value))
         return out
+
+
+class TrtGenerator(GraphHost):
+    """Greedy generation / the step driver on TensorRT engines: the one host
+    (:class:`~kvexport.runtime.host.GraphHost`) over :class:`TrtEngines`."""
+
+    backend = "tensorrt"
+
+    def __init__(self, path: str | Path, engines: str | Path | None = None, plugins: str | Path | None = None,
+                 runner_factory: Callable | None = None):
+        super().__init__(TrtEngines(path, engines, plugins, runner_factory))
+        self.engine_dir = self.graphs.engine_dir
+
+    @property
+    def runners(self) -> dict:
+        """The engines' runners, by graph."""
+        return self.graphs.runners
+
 
 def _real_runner_factory() -> Callable:
     from kvexport.tensorrt.backend import import_tensorrt
@@ -153,4 +170,4 @@ def _real_runner_factory() -> Callable:
     return factory
 
 
-__all__ = ["TrtGenerator", "default_engine_dir", "verify_engine_dir", "ENGINE_KIND"]
+__all__ = ["TrtGenerator", "TrtEngines", "default_engine_dir", "verify_engine_dir", "ENGINE_KIND"]

@@ -472,7 +472,7 @@ def _prepared(model):
     import onnx
     from onnx import inliner, shape_inference
 
-    from kvexport.export import ops as kvx_ops
+    from kvexport import ops as kvx_ops
 
     external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
     if external:  # the checks need types and shapes only: weights stored outside become typed graph inputs

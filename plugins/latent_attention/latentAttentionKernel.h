@@ -42,7 +42,7 @@ struct LatentAttentionParams
     void const* newLatent;          //!< (B, T, D) in dataType, attended after the S cache slots at qPositions, or null
 };
 
-//! Latent formats (the op's `latent_format` attribute, kvexport.export.ops.LATENT_FORMATS).
+//! Latent formats (the op's `latent_format` attribute, kvexport.ops.latent_attention.LATENT_FORMATS).
 constexpr int32_t kLatentFormatNone = 0;
 constexpr int32_t kLatentFormatInt8 = 1;
 constexpr int32_t kLatentFormatFp8 = 2;

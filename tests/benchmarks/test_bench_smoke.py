@@ -76,7 +76,7 @@ KV_BYTES_16K = {
 @pytest.mark.parametrize("row", list(ROWS))
 @pytest.mark.parametrize("shape", ["student", "llama1b"])
 def test_kv_bytes_by_hand(row, shape):
-    """rows.Shape.kv_bytes (kvexport.profile.kv_bytes) against the numbers written out above (fp32; llama.cpp's
+    """rows.Shape.kv_bytes (kvexport.cache.memory) against the numbers written out above (fp32; llama.cpp's
     cache is fp16, half)."""
     s, r = SHAPES[shape], ROWS[row]
     kind = {(False, False): "full", (False, True): "press", (True, False): "mla", (True, True): "mla_press"}

@@ -24,7 +24,7 @@ def build_press(name: str, decoder=None, input_ids=None, attention_mask=None, bu
     """A press for a run on ``input_ids`` (B, N); the oracle is told FUTURE random tokens after each row."""
     p = make_press(name, budget=budget, **KW.get(name, {}))
     if name == "optimal":
-        from kvexport.generation import positions_from_mask
+        from tests.cache._drive import positions_from_mask
 
         B, N = input_ids.shape
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask

@@ -6,11 +6,13 @@
   transformers itself (the chunk and the tail run as one sequence with explicit position ids, the tail's
   queries read from q_proj, the keys from transformers' own cache): the tail attends to the chunk, the chunk not
   to the tail, and the tail's rows are never stored;
-- nothing of the window is kept for being an observer when the observers are not candidates.
+- nothing of the window is kept for being an observer when the observers are not candidates;
+- the one loop (kvexport.runtime.loop.Stream) hands each earlier chunk its tail, front-padded to a static width.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -93,3 +95,38 @@ def test_lookahead_needs_a_press_and_a_prefill(tiny_models):
     cache = dec.new_cache(1, None, 16, 0)
     with pytest.raises(BadUsage, match="lookahead tail observes a prefill chunk of an evicting cache"):
         dec(ids, torch.arange(8)[None], cache, tail_ids=ids[:, -2:], tail_positions=torch.arange(8, 10)[None])
+
+
+class _Recorder:
+    """A step driver that records what the one loop feeds it (kvexport.runtime.protocol)."""
+
+    batch = 2
+
+    def __init__(self, plan):
+        self.plan, self.fed = plan, []
+
+    def start(self, mask, new_tokens):
+        pass
+
+    def prefill_chunk(self, ids, positions, chunk, tail=None):
+        self.fed.append((ids, positions, tail))
+        return np.zeros((2, 4)), False
+
+
+def test_the_loop_feeds_each_earlier_chunk_its_tail():
+    """runtime.loop.Stream: chunks and tails at the plan's columns, front-padded (id 0, position -1) to a static
+    width; the last chunk has none; a left-padded row's tail holds its true positions."""
+    from kvexport.runtime.loop import Stream
+
+    ids = np.arange(100, 130).reshape(1, 30).repeat(2, 0)
+    mask = np.ones_like(ids)
+    mask[1, :4] = 0
+    rec = _Recorder(CachePlan((8,), 2, True, 12, static_chunk=True, lookahead=8))
+    Stream(rec, ids, mask).prefill()
+    (ids0, pos0, tail0), (ids1, pos1, tail1), (ids2, pos2, tail2) = rec.fed
+    np.testing.assert_array_equal(tail0[0], ids[:, 22:30])  # chunk [0, 12): the last 8 columns
+    np.testing.assert_array_equal(tail0[1], [list(range(22, 30)), list(range(18, 26))])
+    np.testing.assert_array_equal(tail1[0][:, :2], 0)  # chunk [12, 24): the columns after it, [24, 30), padded to 8
+    np.testing.assert_array_equal(tail1[0][:, 2:], ids[:, 24:30])
+    np.testing.assert_array_equal(tail1[1], [[-1, -1, *range(24, 30)], [-1, -1, *range(20, 26)]])
+    assert tail2 is None and ids2.shape == (2, 12) and (pos2[:, :6] == -1).all()  # the last chunk observes itself

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvexport.generation import generate, positions_from_mask, prefill
+from kvexport.generation import generate
 from kvexport.models.decoder import Decoder
+from tests.cache._drive import positions_from_mask, prefill
 from tests.cache._presses import ALL_PRESSES, BUDGET, PER_ROW, WINDOW, build_press
 
 

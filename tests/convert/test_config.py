@@ -9,7 +9,7 @@ import re
 import pytest
 
 from kvexport.cli import main
-from kvexport.convert.config import ConvertConfig, default_mla_rank, default_rope_dim, parse_contexts
+from kvexport.convert.config import ConvertConfig, default_budget, default_mla_rank, default_rope_dim, parse_contexts
 from kvexport.errors import BadUsage
 
 REFUSALS = [
@@ -111,12 +111,44 @@ def test_config_files(tmp_path):
 
 
 def test_showcase_defaults_and_explicit_choice():
+    # the defaults chosen on SmolLM2 (docs/sweep.md): SnapKV + lookahead 64 + neighbours 3, budget 2048, window 32,
+    # chunk 512, an int8 cache, no MLA
     cfg = ConvertConfig().resolve()
-    assert cfg.showcase_defaults and (cfg.press, cfg.budget, cfg.window) == ("snapkv", 256, 32)
+    assert cfg.showcase_defaults
+    assert (cfg.press, cfg.budget, cfg.window, cfg.chunk) == ("snapkv", 2048, 32, 512)
+    assert (cfg.neighbors, cfg.lookahead, cfg.kv_dtype, cfg.mla_rank) == (3, 64, "int8", None)
+    assert ConvertConfig(kv_dtype="fp16").resolve().kv_dtype == "fp16"  # a given format is kept
     only_mla = ConvertConfig(mla_rank=32).resolve()
     assert not only_mla.showcase_defaults and only_mla.press == "none" and only_mla.budget is None
-    only_press = ConvertConfig(press="knorm").resolve()
-    assert (only_press.budget, only_press.window, only_press.mla_rank) == (256, 32, None)
+    assert only_mla.kv_dtype is None and only_mla.lookahead is None
+    only_press = ConvertConfig(press="knorm").resolve()  # kvpress's KNorm as given: no refinements, model dtype
+    assert (only_press.budget, only_press.window, only_press.mla_rank) == (2048, 32, None)
+    assert (only_press.neighbors, only_press.lookahead, only_press.kv_dtype) == (0, 0, None)
+
+
+def test_default_budget_fits_the_model():
+    assert default_budget(8192) == 2048 and default_budget(32768) == 2048
+    assert default_budget(2048) == 512 and default_budget(3) == 1
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"press": "knorm", "lookahead": 64}, "knorm scores without observation queries"),
+    ({"press": "none", "neighbors": 3}, "--neighbors refines an eviction press"),
+    ({"press": "snapkv", "lookahead": -1}, "--lookahead -1 must be >= 0"),
+    ({"neighbors": -2, "press": "snapkv"}, "--neighbors -2 must be >= 0"),
+    ({"choose": True, "budget": 512}, "--choose picks the press, budget and cache format itself; drop --budget"),
+    ({"choose": True, "kv_dtype": "int8"}, "drop --kv-dtype"),
+    ({"min_recall": 0.9}, "--min-recall and --choose-context are settings of --choose"),
+    ({"choose": True, "min_recall": 1.5}, r"--min-recall 1.5 must be in \[0, 1\]"),
+])
+def test_refinements_and_choose_refused_in_one_line(kw, match):
+    with pytest.raises(BadUsage, match=match):
+        ConvertConfig(**kw).resolve()
+
+
+def test_choose_leaves_compression_to_its_stage():
+    cfg = ConvertConfig(choose=True, min_agreement=0.85).resolve()
+    assert not cfg.showcase_defaults and cfg.press is None and cfg.budget is None and cfg.kv_dtype is None
 
 
 def test_default_mla_rank_targets_two_x():

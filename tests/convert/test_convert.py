@@ -33,10 +33,10 @@ def test_every_file(converted, tiny_hf_dir):
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temporary directories left
     cj = json.loads((out / "convert.json").read_text())
     assert cj["settings"]["model"] == str(tiny_hf_dir.resolve())
-    assert [s["name"] for s in cj["stages"]] == ["load", "rewrite", "distill", "export", "engine", "validate",
-                                                  "profile", "report"]
+    assert [s["name"] for s in cj["stages"]] == ["load", "choose", "rewrite", "distill", "export", "engine",
+                                                  "validate", "profile", "report"]
     assert {s["name"]: s["status"] for s in cj["stages"]} == {
-        "load": "done", "rewrite": "done", "distill": "skipped", "export": "done", "engine": "skipped",
+        "load": "done", "choose": "skipped", "rewrite": "done", "distill": "skipped", "export": "done", "engine": "skipped",
         "validate": "done", "profile": "done", "report": "done"}
     assert cj["mla"] == {"kv_ranks": [16, 16], "rope_dim": 8}
 
@@ -122,7 +122,7 @@ def test_profiles_of_two_backends_side_by_side(converted, capsys):
 def test_validate_a_conversion_keeps_it_verifiable(converted, capsys):
     """`kvexport validate DIR` (the Jetson flow) rewrites DIR/parity.json and its hash; profile and report
     still accept the directory (copying onnx/parity.json over it used to break the manifest)."""
-    from kvexport.convert import layout
+    from kvexport import layout
 
     out, _ = converted
     before = json.loads((out / "parity.json").read_text())
@@ -192,21 +192,26 @@ def test_tensorrt_missing(tiny_hf_dir, tmp_path, capsys, monkeypatch):
 
 @pytest.mark.parametrize("variant", ["onnx", "baseline"])
 def test_step_runner_matches_generate(converted, variant):
-    """The profiler's step-by-step onnxruntime runner produces OrtGenerator.generate's greedy tokens."""
+    """The profiler's onnxruntime runs produce the greedy tokens of the PyTorch library path with the export's model
+    and settings (kvexport.generation.generate, what validate compares with)."""
     import numpy as np
 
-    from kvexport.export import OrtGenerator
+    from kvexport.export.reference import load_reference_model, reference_generate
+    from kvexport.manifest import verify_manifest
     from kvexport.profile.profiler import prompt_ids
-    from kvexport.profile.runners import OrtRunner
+    from kvexport.profile.runners import ProfiledDriver
+    from kvexport.runtime import open_onnxruntime
 
     out, _ = converted
     ids = prompt_ids(45, 4096, seed=7)  # several chunks, past the budget: compactions in prefill and decode
-    runner = OrtRunner(out / variant)
-    runner.start(45 + 12)
-    toks = [runner.prefill(ids)]
-    for _ in range(11):
-        toks.append(runner.decode(toks[-1]))
-    ref = OrtGenerator(out / variant).generate(ids, np.ones_like(ids), max_new_tokens=12)
+    runner = ProfiledDriver(open_onnxruntime(out / variant), "onnxruntime")
+    toks = runner.generate(ids, 12).tokens[0].tolist()
+    manifest = verify_manifest(out / variant)
+    s = manifest["settings"]
+    from kvexport.export.source import press_from_dict
+
+    dec = load_reference_model(manifest, root=out / variant)
+    ref = reference_generate(dec, s, press_from_dict(s["press"]), ids, np.ones_like(ids), 12)
     assert toks == ref.tokens[0].tolist()
 
 
@@ -225,7 +230,7 @@ def test_profile_a_plain_export(converted):
     assert main(["profile", str(out / "onnx"), "--contexts", "24", "--decode-steps", "2", "--out", str(target)]) == 0
     assert json.loads(target.read_text())["contexts"] == [24]
     assert not (out / "onnx" / "profile.json").exists()
-    from kvexport.export.manifest import verify_manifest
+    from kvexport.manifest import verify_manifest
 
     verify_manifest(out / "onnx")
     assert list(prof["variants"]) == ["converted"]
@@ -252,7 +257,7 @@ def test_mla_export_records_its_source(converted):
     """The MLA export of a conversion names DIR/mla as its reference (relative, so the directory can move) and
     carries the tokenizer: ``kvexport validate DIR/onnx`` needs no --model."""
     from kvexport.export import validate
-    from kvexport.export.manifest import verify_manifest
+    from kvexport.manifest import verify_manifest
 
     out, _ = converted
     s = verify_manifest(out / "onnx")["settings"]

@@ -46,6 +46,8 @@ FAST = {
 #: (pattern matched against a command, why it does not run here)
 SKIP = [
     (r"^pip install", "installs packages: the test environment is that installation"),
+    (r"^kvexport get smollm2", "downloads the real model: tests/real/conftest.py gets it (CI fetches it first)"),
+    (r"^kvexport convert \S+\.gguf", "converts the real model: tests/real/test_smollm2.py converts it from its GGUF"),
     (r"^python -m pytest", "the test suite itself"),
     (r"^(cmake|trtexec|/usr/src/tensorrt)", "builds or runs TensorRT plugins/engines: needs CUDA and TensorRT"),
     (r"--backend tensorrt|build-engine|kvexport\.tensorrt|scripts/gpu_check", "needs TensorRT and an NVIDIA GPU"),
@@ -373,7 +375,7 @@ def test_docs_commands(chain, scratch_factory):
     r = _run("bash examples/jetson/deploy.sh kvx-student-kvx 87", scratch)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "skipping the TensorRT steps" in r.stdout
-    from kvexport.convert import layout
+    from kvexport import layout
 
     layout.verify_conversion(scratch / "kvx-student-kvx")
     assert (scratch / "kvx-student-kvx" / "report.html").stat().st_mtime >= \
@@ -437,6 +439,6 @@ def test_example_script(script, tmp_path):
         said = "The converted model is slower than the uncompressed baseline here" in text
         assert said == slower, (slower, text[-4000:])
         assert not said or "attends over its whole bucket" in text
-    from kvexport.convert import layout
+    from kvexport import layout
 
     layout.verify_conversion(out)

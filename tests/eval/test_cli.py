@@ -20,7 +20,8 @@ TINY = ["--budgets", "1024,2048", "--batch-size", "4", "--context-len", "64", "-
 def test_mla_and_combo_cli(tmp_path):
     from kvexport.cli import main
     from kvexport.eval.tasks import TaskSet, TaskSettings, evaluate_tasks
-    from kvexport.models.loading import load_decoder, load_tokenizer
+    from kvexport.mla.io import load_decoder
+    from kvexport.models.loading import load_tokenizer
 
     cache = str(tmp_path / "cache")
     rc = main(["eval", "mla", str(DEFAULT_MODEL), "--teachers", str(DEFAULT_MODEL), "--ratios", "1.882,6.4", *TINY,

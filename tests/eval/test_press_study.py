@@ -138,7 +138,8 @@ def test_cli_press_kwargs_reach_the_press(tmp_path):
     the same setting, and differs from the default's."""
     from kvexport.cli import main
     from kvexport.eval.data import heldout_windows
-    from kvexport.models.loading import load_decoder, load_tokenizer
+    from kvexport.mla.io import load_decoder
+    from kvexport.models.loading import load_tokenizer
 
     kw = {"expected_attention": {"n_future_positions": 8}}
     args = ["eval", "presses", str(DEFAULT_MODEL), "--ratios", "0.5", "--presses", "expected_attention", "--windows",

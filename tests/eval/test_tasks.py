@@ -43,7 +43,8 @@ def test_exact_match_hand_built(generated, answer, pred, hit):
 
 @pytest.fixture(scope="module")
 def student():
-    from kvexport.models.loading import load_decoder, load_hf_model, load_tokenizer
+    from kvexport.mla.io import load_decoder
+    from kvexport.models.loading import load_hf_model, load_tokenizer
 
     tok = load_tokenizer(DEFAULT_MODEL)
     dec, _ = load_decoder(DEFAULT_MODEL)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvexport.cache.plan import MIN_BUCKET
+from kvexport.runtime import Stream
 
 CAPACITY = 1024
 PROMPT = 250  # < MIN_BUCKET = 256: the prompt fits the first bucket, the 7th decoded token doubles it
@@ -63,14 +64,14 @@ def _dims(path, graph: str) -> dict[str, list]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_parity_across_a_bucket_doubling(exports, name):
     from kvexport.export import OrtGenerator
-    from kvexport.export.validation import load_reference_model, reference_generate
+    from kvexport.export.reference import load_reference_model, reference_generate
 
     hf, out = exports(name)
     gen = OrtGenerator(out)
     s = gen.settings
     assert s["dynamic_capacity"] is True and s["capacities"] == [CAPACITY] * s["num_layers"]
     ids = _prompt()
-    gen.prefill(ids)
+    Stream(gen, ids).prefill()
     assert gen.cache["k_0"].shape[2] == MIN_BUCKET  # the prompt's bucket, not the capacity
     res = gen.generate(ids, None, NEW, keep_logits=True)
     assert gen.cache["k_0"].shape[2] == 2 * MIN_BUCKET  # PROMPT + NEW - 1 rows: one doubling
@@ -92,20 +93,21 @@ def test_reserved_bucket_is_taken_at_prefill(exports, name):
     length needs is taken at prefill when it is at most twice the prompt (no copy while decoding), and the run
     equals the PyTorch library path."""
     from kvexport.export import OrtGenerator
-    from kvexport.export.validation import load_reference_model, reference_generate
+    from kvexport.export.reference import load_reference_model, reference_generate
 
     hf, out = exports(name)
     gen = OrtGenerator(out)
     ids = _prompt(MIN_BUCKET)
-    gen.prefill(ids, reserve=MIN_BUCKET + NEW - 1)
+    stream = Stream(gen, ids, new_tokens=NEW)  # the sequence's length: MIN_BUCKET + NEW - 1 tokens
+    last = stream.prefill()
     held = gen.cache["k_0"]
     assert held.shape[2] == 2 * MIN_BUCKET
-    tok, got = np.asarray(gen.last_logits).argmax(-1), []
+    tok, got = np.asarray(last).argmax(-1), []
     for _ in range(NEW - 1):
-        got.append(gen.decode(tok))
+        got.append(stream.decode(tok))
         tok = got[-1].argmax(-1)
     assert gen.cache["k_0"] is held  # never grown: the same buffer throughout
-    gen.prefill(ids, reserve=10 * MIN_BUCKET)  # more than twice the prompt: the prompt's own bucket
+    Stream(gen, ids, new_tokens=9 * MIN_BUCKET + 1).prefill()  # more than twice the prompt: the prompt's own bucket
     assert gen.cache["k_0"].shape[2] == MIN_BUCKET
     s = gen.settings
     ref = reference_generate(load_reference_model({"settings": s}, hf), s, None, ids, np.ones_like(ids), NEW)
@@ -167,8 +169,8 @@ def test_decode_reads_the_cache_without_copying_it(exports, name):
 
 
 def test_resident_bytes_are_the_buckets(exports):
+    from kvexport.cache.memory import CacheShape
     from kvexport.export import OrtGenerator
-    from kvexport.profile.kv_bytes import CacheShape
 
     hf, out = exports("llama")
     gen = OrtGenerator(out)

@@ -12,6 +12,7 @@ import torch
 
 from kvexport.cli import main
 from kvexport.paths import MODELS_DIR
+from kvexport.runtime import Stream
 
 TOKENIZER = MODELS_DIR / "tokenizer"
 
@@ -42,9 +43,10 @@ def exported(model_dir, tmp_path_factory):
 
 def test_cli_generate_and_validate(exported, capsys, model_dir):
     from kvexport.export import OrtGenerator
-    from kvexport.export.exporter import press_from_dict
+    from kvexport.export.source import press_from_dict
     from kvexport.generation import generate
-    from kvexport.models.loading import load_decoder, load_tokenizer
+    from kvexport.mla.io import load_decoder
+    from kvexport.models.loading import load_tokenizer
 
     assert main(["generate", str(exported), "--prompt", "Once upon a time there was", "-n", "12"]) == 0
     printed = capsys.readouterr().out
@@ -79,7 +81,7 @@ def test_graphs_pass_the_checker_and_carry_plugin_attributes(exported):
     depend on the cache's capacity."""
     import onnx
 
-    from kvexport.export import ops
+    from kvexport import ops
 
     ops.register_schemas()
     for g in ("prefill", "decode", "compact_prefill", "compact"):
@@ -175,28 +177,29 @@ def test_press_export_refuses_a_prompt_past_max_positions(exported):
     with pytest.raises(BadUsage, match="prompt of 400 tokens exceeds the export's maximum 256"):
         gen.generate(ids, None, 2)
     with pytest.raises(BadUsage, match="exceeds the export's maximum 256"):
-        gen.prefill(ids)
+        Stream(gen, ids).prefill()
 
 
 def test_step_api_matches_generate(exported):
-    """prefill/decode driven by hand == generate (tokens, logits, compaction count and kept positions)."""
+    """A stream stepped by hand (prefill, then decode) == generate (tokens, logits, compaction count and kept
+    positions)."""
     from kvexport.export import OrtGenerator
 
     gen = OrtGenerator(exported)
     ids = np.random.default_rng(4).integers(3, 4096, (1, 21))
     res = gen.generate(ids, None, 15, keep_logits=True)
     seen = []
-    gen.on_compaction = lambda where, g: seen.append((where, g.kept_positions()))
-    last = gen.prefill(ids)
+    stream = Stream(gen, ids, on_compaction=lambda where: seen.append((where, gen.kept_positions())))
+    last = stream.prefill()
     np.testing.assert_array_equal(last, res.prompt_logits)
     toks, logits = [int(last.argmax(-1)[0])], []
     for _ in range(14):
-        last = gen.decode(toks[-1])
+        last = stream.decode(toks[-1])
         logits.append(last)
         toks.append(int(last.argmax(-1)[0]))
     np.testing.assert_array_equal(np.array([toks]), res.tokens)
     np.testing.assert_array_equal(np.stack(logits), np.stack(res.step_logits))
-    assert gen.compactions == res.compactions == len(seen) > 0
+    assert stream.compactions == res.compactions == len(seen) > 0
     assert [w for w, _ in seen] == res.compaction_steps
     for (_, a), b in zip(seen, res.kept_positions, strict=True):
         for x, y in zip(a, b, strict=True):

@@ -38,7 +38,7 @@ def test_initializers_are_the_parameters_and_never_serialized(tiny_models, tmp_p
     import onnx_ir as ir
 
     from kvexport.export import export_model
-    from kvexport.export import exporter as ex
+    from kvexport.export import onnx_graph as ex
     from kvexport.models.decoder import Decoder
 
     dec = Decoder.from_hf(tiny_models("qwen3", head_dim=32))  # q/k norms, untied head
@@ -86,7 +86,7 @@ def test_mla_weights_are_stored_in_the_shape_they_are_read(tiny_models, tmp_path
     import onnx
 
     from kvexport.export import export_model
-    from kvexport.export import exporter as ex
+    from kvexport.export import onnx_graph as ex
     from kvexport.mla.config import MLASettings
     from kvexport.mla.rewrite import rewrite_to_mla
     from kvexport.models.decoder import Decoder
@@ -111,7 +111,7 @@ def test_tensor_bytes_are_what_onnx_stores():
     import onnx_ir as ir
     from torch.onnx._internal.exporter._core import TorchTensor
 
-    from kvexport.export.exporter import _tensor_bytes
+    from kvexport.export.onnx_graph import _tensor_bytes
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 40, generator=g)

@@ -15,10 +15,11 @@ import onnx
 import pytest
 
 from kvexport.errors import BadUsage
-from kvexport.export import OrtGenerator, export_model, validate, verify_manifest
-from kvexport.export.exporter import press_from_dict
-from kvexport.export.validation import load_reference_model, reference_generate
+from kvexport.export import export_model, open_onnxruntime, validate, verify_manifest
+from kvexport.export.reference import load_reference_model, reference_generate
+from kvexport.export.source import press_from_dict
 from kvexport.presses import make_press
+from kvexport.runtime import Stream
 from tests.conftest import FAMILIES, FAMILY_IDS
 
 STEPS = 20
@@ -30,8 +31,8 @@ def _snapkv(budget=12):
 
 def _both(out, ids, mask=None, steps=STEPS):
     """The export run with its in-place graph and with its standard decode graph."""
-    a = OrtGenerator(out, providers=["CPUExecutionProvider"])
-    b = OrtGenerator(out, providers=["CPUExecutionProvider"], inplace=False)
+    a = open_onnxruntime(out, providers=["CPUExecutionProvider"])
+    b = open_onnxruntime(out, providers=["CPUExecutionProvider"], inplace=False)
     assert a.inplace and not b.inplace and a.decode_graph == "decode_inplace"
     return a.generate(ids, mask, steps, keep_logits=True), b.generate(ids, mask, steps, keep_logits=True)
 
@@ -86,7 +87,7 @@ def test_batch_with_left_padding_and_full_cache(tiny_models, tmp_path):
     long = np.random.default_rng(3).integers(3, 128, (1, 250))
     inpl, std = _both(full, long, steps=12)  # 250 + 12 tokens: the 256-slot bucket doubles to 512
     _same(inpl, std)
-    g = OrtGenerator(full, providers=["CPUExecutionProvider"])
+    g = open_onnxruntime(full, providers=["CPUExecutionProvider"])
     g.generate(long, None, 12)
     assert g.cache["k_0"].shape[2] == 512
 
@@ -108,23 +109,25 @@ def test_the_step_writes_one_slot_and_outputs_are_declared_aliases(tiny_models, 
         assert {n.op_type for n in m.graph.node if n.domain == "com.microsoft"} == {"GroupQueryAttention"}
     assert shapes[12] == shapes[40]  # what is not written in place does not grow with the capacity
 
-    gen = OrtGenerator(out, providers=["CPUExecutionProvider"])
-    gen.prefill(np.random.default_rng(4).integers(3, 128, (1, 20)))
+    gen = open_onnxruntime(out, providers=["CPUExecutionProvider"])
+    stream = Stream(gen, np.random.default_rng(4).integers(3, 128, (1, 20)))
+    stream.prefill()
     before = {n: a.copy() for n, a in gen.cache.items()}
     slots = list(gen.state.fills)
-    gen.decode(5)
+    stream.decode(5)
     for i, slot in enumerate(slots):
         for f in ("k", "v", "pos"):
             now, was = gen.cache[f"{f}_{i}"], before[f"{f}_{i}"]
             assert not np.array_equal(now[:, :, slot], was[:, :, slot])
             np.testing.assert_array_equal(np.delete(now, slot, axis=2), np.delete(was, slot, axis=2))
     assert "k_new_0" not in gen.step_out  # no step buffer for rows written in place (memory as held)
-    from kvexport.profile.kv_bytes import CacheShape
+    from kvexport.cache.memory import CacheShape
 
     shape = CacheShape.from_export(verify_manifest(out)["settings"])
     assert gen.resident_bytes() == shape.resident_bytes_at(21, in_place=True)
-    std = OrtGenerator(out, providers=["CPUExecutionProvider"], inplace=False)
-    std.prefill(np.random.default_rng(4).integers(3, 128, (1, 20)))
+    std = open_onnxruntime(out, providers=["CPUExecutionProvider"], inplace=False)
+    std_stream = Stream(std, np.random.default_rng(4).integers(3, 128, (1, 20)))
+    std_stream.prefill()
     assert std.resident_bytes() == shape.resident_bytes_at(21)
     assert shape.resident_bytes_at(21)["total"] - gen.resident_bytes()["total"] == shape.step_bytes(1, 1) - \
         shape.step_bytes(1, 1, rows=False) > 0
@@ -151,9 +154,9 @@ def test_refusals(tiny_models, tmp_path):
         assert "\n" not in str(e.value)
         assert not (tmp_path / "r").exists()
     plain = export_model(hf, tmp_path / "plain", press=_snapkv(), window=4, chunk=8)
-    assert not OrtGenerator(plain, providers=["CPUExecutionProvider"]).inplace
+    assert not open_onnxruntime(plain, providers=["CPUExecutionProvider"]).inplace
     with pytest.raises(BadUsage, match="--inplace-decode"):
-        OrtGenerator(plain, providers=["CPUExecutionProvider"], inplace=True)
+        open_onnxruntime(plain, providers=["CPUExecutionProvider"], inplace=True)
 
 
 def test_tensorrt_skips_the_onnxruntime_only_graph(tiny_models, tmp_path):

@@ -13,14 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from kvexport.export.exporter import NOT_EXPORTABLE, export_model
-from kvexport.export.runtime import OrtGenerator
+from kvexport.export.exporter import export_model
+from kvexport.export.source import NOT_EXPORTABLE
 from kvexport.export.ties import TieReferee
 from kvexport.generation import generate
+from kvexport.mla.io import load_decoder
 from kvexport.models.decoder import Decoder
-from kvexport.models.loading import load_decoder
 from kvexport.paths import MODELS_DIR
 from kvexport.presses import PRESSES, make_press
+from kvexport.runtime import OrtGenerator
 
 BUDGET, WINDOW, STEPS = 12, 4, 9  # two decode compactions after the prefill
 KW = {"snapkv": {"window_size": 4}, "pyramidkv": {"window_size": 4, "beta": 2},

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvexport.errors import BadArtifact, BadUsage
-from kvexport.export.manifest import atomic_output, check_out_dir, sha256_file, verify_manifest, write_manifest
+from kvexport.manifest import atomic_output, check_out_dir, sha256_file, verify_manifest, write_manifest
 
 
 def _artifact(root):

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
-from kvexport.export import ops
+from kvexport import ops
 
 NP = {"fp32": np.float32, "fp16": np.float16}
 TP = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}
@@ -78,7 +78,7 @@ def test_topk_gather_torch_onnx_numpy(case):
     values = rng.standard_normal((B, H, S, Dv)).astype(nd)
     positions = np.where(rng.random((B, H, S)) < p_empty, -1, rng.permutation(S)[None, None, :]).astype(np.int64)
     want = topk_gather_numpy(scores, keys, values, positions, k)
-    got_t = ops.topk_gather(*(torch.from_numpy(x) for x in (scores, keys, values, positions)), k)
+    got_t = ops.topk_gather.topk_gather(*(torch.from_numpy(x) for x in (scores, keys, values, positions)), k)
     got_o = _run(topk_gather_model(B, H, S, Dk, Dv, k, dtype),
                  {"scores": scores, "keys": keys, "values": values, "positions": positions})
     for w, t, o in zip(want, got_t, got_o, strict=False):
@@ -143,7 +143,7 @@ def test_latent_attention_torch_onnx_numpy(case):
     lp = np.where(rng.random((B, S)) < p_empty, -1, rng.integers(0, 12, (B, S))).astype(np.int64)
     qp = np.where(rng.random((B, T)) < 0.2, -1, rng.integers(0, 12, (B, T))).astype(np.int64)
     want_out = latent_attention_numpy(q, latent, qp, lp, R, scale)
-    t_out = ops.latent_attention(*(torch.from_numpy(x) for x in (q, latent, qp, lp)), R, scale)
+    t_out = ops.latent_attention.latent_attention(*(torch.from_numpy(x) for x in (q, latent, qp, lp)), R, scale)
     (o_out,) = _run(latent_attention_model(B, Hq, T, S, R, Dr, scale, dtype),
                     {"q": q, "latent": latent, "q_positions": qp, "latent_positions": lp})
     tol = 1e-5 if dtype == "fp32" else 2e-2
@@ -193,7 +193,7 @@ def test_topk_gather_gathers_uint8_codes():
     assert {"Cast", "CastLike"} <= {n.op_type for n in body.node}
     got = _run(m, {"scores": scores, "keys": keys, "values": values, "positions": positions})
     want = topk_gather_numpy(scores, keys, values, positions, k)
-    t_got = ops.topk_gather(*(torch.from_numpy(x) for x in (scores, keys, values, positions)), k)
+    t_got = ops.topk_gather.topk_gather(*(torch.from_numpy(x) for x in (scores, keys, values, positions)), k)
     for g, t, w in zip(got, t_got, want, strict=True):
         np.testing.assert_array_equal(g, w)
         np.testing.assert_array_equal(t.numpy(), w)
@@ -237,7 +237,7 @@ def test_latent_attention_v2_two_parts_and_quantized_latent(fmt, one_head):
     tt = (lambda x: None if x is None else torch.from_numpy(x))  # noqa: E731
     lshape = [B, 1, S, D] if one_head else [B, S, D]
     latent = latent.reshape(lshape)
-    t_out = ops.latent_attention(tt(q), tt(latent), tt(qp), tt(lp), R, scale, tt(new), tt(lscale), fmt)
+    t_out = ops.latent_attention.latent_attention(tt(q), tt(latent), tt(qp), tt(lp), R, scale, tt(new), tt(lscale), fmt)
     names = ["q", "latent", "q_positions", "latent_positions", "new_latent"] + (["latent_scale"] if fmt else [])
     attrs = {"latent_format": fmt} if fmt else {}
     node = ops.make_node("LatentAttention", names, ["out"], rank=R, scale=scale, **attrs)

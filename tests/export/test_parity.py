@@ -43,9 +43,9 @@ def _cases():
 
 @pytest.mark.parametrize("family,extra,config", _cases())
 def test_export_generate_validate(tiny_models, tmp_path, family, extra, config):
-    from kvexport.export import OrtGenerator, export_model, validate, verify_manifest
-    from kvexport.export.exporter import press_from_dict
-    from kvexport.export.validation import reference_generate
+    from kvexport.export import export_model, open_onnxruntime, validate, verify_manifest
+    from kvexport.export.reference import reference_generate
+    from kvexport.export.source import press_from_dict
 
     hf = tiny_models(family, **extra)
     out = export_model(hf, tmp_path / "x", **_press(CONFIGS[config]))
@@ -53,7 +53,7 @@ def test_export_generate_validate(tiny_models, tmp_path, family, extra, config):
     s = man["settings"]
     # generate: onnxruntime greedy == PyTorch greedy on a prompt over several chunks
     ids = np.random.default_rng(1).integers(3, 128, (1, 29))
-    gen = OrtGenerator(out)
+    gen = open_onnxruntime(out)
     res = gen.generate(ids, None, 20, keep_logits=True)
     dec_ref = _reference_decoder(hf, s)
     ref = reference_generate(dec_ref, s, press_from_dict(s["press"]), ids, np.ones_like(ids), 20)
@@ -79,7 +79,7 @@ def test_export_generate_validate(tiny_models, tmp_path, family, extra, config):
 
 
 def _reference_decoder(hf, s):
-    from kvexport.export.validation import load_reference_model
+    from kvexport.export.reference import load_reference_model
 
     return load_reference_model({"settings": s}, hf)
 
@@ -90,7 +90,7 @@ def test_standard_ops_and_fp16(tiny_models, tmp_path, dtype, ops):
     import onnx
 
     from kvexport.export import export_model, validate
-    from kvexport.export.validation import TOLERANCES
+    from kvexport.export.parity import TOLERANCES
 
     hf = tiny_models("llama")
     out = export_model(hf, tmp_path / "x", dtype=dtype, ops=ops, mla_rank=16, rope_dim=4,
@@ -114,9 +114,10 @@ def test_weights_are_stored_once(tiny_models, tmp_path, dtype):
     unshared sessions and the PyTorch reference."""
     import onnx
 
-    from kvexport.export import OrtGenerator, export_model, verify_manifest
-    from kvexport.export.exporter import EXTERNAL_MIN_BYTES, press_from_dict
-    from kvexport.export.validation import reference_generate
+    from kvexport.export import export_model, open_onnxruntime, verify_manifest
+    from kvexport.export.onnx_graph import EXTERNAL_MIN_BYTES
+    from kvexport.export.reference import reference_generate
+    from kvexport.export.source import press_from_dict
 
     hf = tiny_models("llama")
     out = export_model(hf, tmp_path / "x", dtype=dtype, **_press(CONFIGS["press"]))
@@ -135,7 +136,7 @@ def test_weights_are_stored_once(tiny_models, tmp_path, dtype):
     assert not list(out.glob("*.onnx.data"))
     s = verify_manifest(out)["settings"]
     ids = np.random.default_rng(2).integers(3, 128, (1, 21))
-    shared, plain = OrtGenerator(out), OrtGenerator(out, share_weights=False)
+    shared, plain = open_onnxruntime(out), open_onnxruntime(out, share_weights=False)
     assert shared._shared and not plain._shared
     a, b = shared.generate(ids, None, 30, keep_logits=True), plain.generate(ids, None, 30, keep_logits=True)
     np.testing.assert_array_equal(a.tokens, b.tokens)

@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 import torch
 
+from kvexport.cache.memory import CacheShape
 from kvexport.errors import BadUsage
-from kvexport.export import OrtGenerator, export_model, verify_manifest
+from kvexport.export import export_model, open_onnxruntime, verify_manifest
+from kvexport.export.reference import load_reference_model
 from kvexport.export.ties import TieReferee
-from kvexport.export.validation import load_reference_model
 from kvexport.generation import generate
 from kvexport.presses import make_press
-from kvexport.profile.kv_bytes import CacheShape
 
 ATOL = 1e-3
 BUDGET, WINDOW, CHUNK, STEPS, PROMPT = 12, 4, 8, 9, 29  # 3 prefill and 2 decode compactions with a press
@@ -77,7 +77,7 @@ def test_export_equals_pytorch_quantized_cache(tiny_models, tmp_path, family, ex
     if mla:  # the rewrite equalizes the latent for an int8 cache (and the reference rebuilt below does too)
         assert s["mla"]["settings"]["equalize_latent"] == (kv_dtype == "int8")
     ids = np.random.default_rng(7).integers(3, 128, (1, PROMPT))
-    gen = OrtGenerator(out)
+    gen = open_onnxruntime(out)
     got = gen.generate(ids, None, STEPS, keep_logits=True)
     referee = TieReferee(dict(zip(got.compaction_steps, got.kept_positions, strict=True)), 1e-5)
     dec = load_reference_model({"settings": s}, hf)
@@ -167,7 +167,7 @@ def test_version_2_latent_attention_signature_is_checked_for_tensorrt(latent_typ
     import onnx
     from onnx import TensorProto, helper
 
-    from kvexport.export import ops
+    from kvexport import ops
     from kvexport.tensorrt.op_support import check_model
 
     vi, F = helper.make_tensor_value_info, TensorProto.FLOAT
@@ -195,7 +195,8 @@ def test_validate_compares_a_quantized_export_with_the_same_format_and_reports_i
     """``validate`` runs the PyTorch reference in the export's kv_dtype (an fp32 reference would be ~1e-2 away) and,
     for a lossy format, adds the int8 cache against its fp32 twin (two independent generate runs)."""
     from kvexport.export.fidelity import FidelitySettings
-    from kvexport.export.validation import reference_kwargs, validate
+    from kvexport.export.reference import reference_kwargs
+    from kvexport.export.validation import validate
 
     hf = tiny_models("llama")
     out = export_model(hf, tmp_path / "x", press=_press("knorm"), window=WINDOW, chunk=CHUNK, kv_dtype="int8")

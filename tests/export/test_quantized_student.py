@@ -10,7 +10,7 @@ grid from the reference's (int8: the code; fp8: the rank of its e4m3 value; meas
 apart over the two prompts, none more), every scale within 2^-7 of the reference's (rows written after a first
 difference come from a cache that differs, so their scales can be a few float16 steps apart: measured 1.4e-3),
 the slots' positions (what the press kept) and the number of compactions equal; and ``validate`` passes on the default prompts with the lossy-cache gates
-(:data:`kvexport.export.validation.LOSSY_CACHE_TOLERANCES`), which the strict fp32 gates (1e-4) did not: this
+(:data:`kvexport.export.parity.LOSSY_CACHE_TOLERANCES`), which the strict fp32 gates (1e-4) did not: this
 conversion failed ``kvexport convert --kv-dtype int8`` before them (max logit error 0.14, tokens equal, 28 of 36 kept sets).
 """
 
@@ -23,15 +23,10 @@ import torch
 from kvexport.cache.quant import FP8_VALUES
 from kvexport.convert.config import DEFAULT_BUDGET, DEFAULT_CHUNK, DEFAULT_WINDOW, showcase_mla
 from kvexport.export import OrtGenerator, export_model, verify_manifest
-from kvexport.export.exporter import press_from_dict
-from kvexport.export.validation import (
-    LOSSY_CACHE_TOLERANCES,
-    TOLERANCES,
-    load_reference_model,
-    reference_generate,
-    tolerances,
-    validate,
-)
+from kvexport.export.parity import LOSSY_CACHE_TOLERANCES, TOLERANCES, tolerances
+from kvexport.export.reference import load_reference_model, reference_generate
+from kvexport.export.source import press_from_dict
+from kvexport.export.validation import validate
 from kvexport.paths import DEFAULT_MODEL
 from kvexport.presses import make_press
 from kvexport.profile.run import model_spec

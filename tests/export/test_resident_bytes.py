@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Memory as held: what each runtime allocated (read from its own buffers) equals the formula of
-kvexport.profile.kv_bytes (CacheShape.resident_bytes_at), for eviction, MLA + eviction, per-layer budgets, a
+kvexport.cache.memory (CacheShape.resident_bytes_at), for eviction, MLA + eviction, per-layer budgets, a
 static full cache and the growing past; and it stays fixed over a run."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvexport.export import OrtGenerator, export_model
+from kvexport.cache.memory import CacheShape
+from kvexport.export import export_model, open_onnxruntime
 from kvexport.models.decoder import Decoder
 from kvexport.presses import make_press
-from kvexport.profile.kv_bytes import CacheShape
 
 CONFIGS = {
     "snapkv": dict(press=make_press("snapkv", budget=12, window_size=4), window=4, chunk=8),
@@ -26,7 +26,7 @@ CONFIGS = {
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_onnxruntime_allocations_equal_the_formula(tiny_models, tmp_path, name):
     out = export_model(tiny_models("llama"), tmp_path / "x", **CONFIGS[name])
-    gen = OrtGenerator(out)
+    gen = open_onnxruntime(out)
     shape = CacheShape.from_export(gen.settings)
     ids = np.random.default_rng(0).integers(3, 128, (1, 29))
     res = gen.generate(ids, max_new_tokens=10)

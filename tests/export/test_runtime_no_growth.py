@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from kvexport.export import export_model
-from kvexport.export.runtime import OrtGenerator
 from kvexport.models.decoder import Decoder
 from kvexport.models.tiny import tiny_model
+from kvexport.runtime import OrtGenerator
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,10 @@ import numpy as np
 def status():
     f = dict(l.split(':', 1) for l in open('/proc/self/status') if l.startswith(('RssAnon', 'RssFile')))
     return {k: int(v.split()[0]) * 1024 for k, v in f.items()}
-from kvexport.export.runtime import OrtGenerator
+from kvexport.runtime import open_onnxruntime
 import onnxruntime  # noqa: F401  (the library's own memory is not the weights')
 before = status()
-g = OrtGenerator(sys.argv[1], threads=1)
+g = open_onnxruntime(sys.argv[1], threads=1)
 g.generate(np.array([[1, 2, 3, 4]]), max_new_tokens=2)  # the sessions have run: nothing was copied lazily either
 after = status()
 print(json.dumps({"before": before, "after": after, "sessions": sorted(g.sessions)}))
@@ -43,10 +43,10 @@ def export_dir(tmp_path_factory):
 
 
 def test_shared_initializers_are_views_of_one_readonly_map(export_dir):
-    from kvexport.export import exporter as ex
-    from kvexport.export.runtime import OrtGenerator
+    from kvexport.export import onnx_graph as ex
+    from kvexport.runtime import open_onnxruntime
 
-    g = OrtGenerator(export_dir, threads=1)
+    g = open_onnxruntime(export_dir, threads=1)
     assert len(g.sessions) > 1 and g._shared
     (loc, mm), = g._maps.items()
     assert loc == ex.WEIGHTS_FILE and isinstance(mm, np.memmap) and mm.mode == "r"
@@ -62,7 +62,7 @@ def test_sessions_hold_the_weights_as_file_pages(export_dir):
     """Anonymous memory grown by making the generator and running it stays under 0.5 x weights.data (measured
     0.25 x, a fixed ~16 MB of onnxruntime's own; the np.fromfile copy it replaced: 1.25 x, measured 2026-12-01);
     the weights show up as file pages (1.02 x)."""
-    from kvexport.export import exporter as ex
+    from kvexport.export import onnx_graph as ex
 
     weights = (export_dir / ex.WEIGHTS_FILE).stat().st_size
     assert weights > 50e6
@@ -95,7 +95,7 @@ def test_mla_sessions_fold_no_weight_into_a_copy(mla_export_dir):
     """MLA's absorbed attention reads kv_b_proj per head in two halves. Stored whole, each session folded the
     halves into copies of its own (measured 2026-12-02 on a 4-layer Qwen3-shape MLA export: +0.19 GB anonymous
     at open against +0.04 GB with the halves stored; 28 layers: +1.08 GB): anonymous memory stays under 0.35 x."""
-    from kvexport.export import exporter as ex
+    from kvexport.export import onnx_graph as ex
 
     weights = (mla_export_dir / ex.WEIGHTS_FILE).stat().st_size
     assert weights > 50e6
@@ -112,7 +112,7 @@ def test_a_single_graph_export_is_mapped_too(tmp_path):
     memory (measured 2026-12-02 on a 4-layer Qwen3-shape baseline: +0.31 GB anonymous for 0.46 GB of weights
     before, +0.02 GB after)."""
     from kvexport.export import export_model
-    from kvexport.export import exporter as ex
+    from kvexport.export import onnx_graph as ex
     from kvexport.models.decoder import Decoder
     from kvexport.models.tiny import tiny_model
 

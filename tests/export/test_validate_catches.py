@@ -15,6 +15,7 @@ from kvexport.cache.plan import DecodeStep
 from kvexport.errors import ParityFailure
 from kvexport.export import OrtGenerator, export_model, validate
 from kvexport.presses import make_press
+from kvexport.runtime import Stream
 
 PROMPTS = [21, 45]  # chunk 8: last chunks of 5 real columns
 
@@ -29,33 +30,22 @@ def exported(tiny_models, tmp_path_factory):
 class EndPadded(OrtGenerator):
     """The last chunk's padding placed after its real columns, and the compaction told there is none."""
 
-    def prefill(self, input_ids, attention_mask=None, reserve=None):
-        ids = np.asarray(input_ids, np.int64)
-        N, B = ids.shape[1], self.batch
-        self.reset()
-        self.next_pos = np.full(B, N, np.int64)
-        pos = np.arange(N)[None].repeat(B, 0)
-        C = int(self.settings["chunk"])
-        self.staging = {n: self._array((*sh[:2], C, sh[3]), dt) for n, (sh, dt) in self.step_shapes.items()}
-        out = {**self.staging, "logits": self.logits}
-        for index, chunk in enumerate(self.plan.chunks(N)):
-            step = self.state.prefill(chunk.n_real)
-            c_ids = np.concatenate([ids[:, chunk.start:chunk.stop], np.zeros((B, chunk.pad), np.int64)], 1)
-            c_pos = np.concatenate([pos[:, chunk.start:chunk.stop], np.full((B, chunk.pad), -1)], 1)
-            rows = self._call("prefill", {"input_ids": c_ids, "positions": c_pos}, self._cache_inputs("prefill"), out)
-            if step.any_compaction:
-                kept = self._call("compact_prefill", {"fill": np.array(step.fills, np.int64),
-                                                      "n_pad": np.zeros(1, np.int64), "positions": c_pos},
-                                  self._cache_inputs("compact_prefill", rows), {})
-                self._write_kept(kept)
-                self._compacted(f"prefill:{index}")
-            else:
-                for i, f in enumerate(step.fills):
-                    self._write_rows({k: v[:, :, : chunk.n_real] for k, v in rows.items() if k != "logits"}, i, f,
-                                     c_pos[:, : chunk.n_real])
-        self.staging = {}
-        self.last_logits = self._logits_now()
-        return self.last_logits.copy()
+    def _prefill_chunk(self, rows, ids, pos, chunk):
+        pad, n = chunk.pad, chunk.n_real
+        ids = np.concatenate([ids[:, pad:], ids[:, :pad]], 1)  # the host's front padding moved to the end
+        pos = np.concatenate([pos[:, pad:], pos[:, :pad]], 1)
+        step = rows.state.prefill(n)
+        new = self.graphs.call("prefill", {"input_ids": ids, "positions": pos}, self._inputs(rows, "prefill"),
+                               {**rows.staging, "logits": rows.logits})
+        if step.any_compaction:
+            kept = self.graphs.call("compact_prefill", {"fill": np.array(step.fills, np.int64),
+                                                        "n_pad": np.zeros(1, np.int64), "positions": pos},
+                                    self._inputs(rows, "compact_prefill", new), {})
+            self._write_kept(rows, kept)
+        else:
+            for i, f in enumerate(step.fills):
+                self._write_rows(rows, {k: v[:, :, :n] for k, v in new.items() if k != "logits"}, i, f, pos[:, :n])
+        return self._logits(rows), step.any_compaction
 
 
 class SlotOff(OrtGenerator):
@@ -91,7 +81,7 @@ def test_end_padding_evicts_the_prompt_tail(exported):
     tails = {}
     for cls in (OrtGenerator, EndPadded):
         g = cls(exported[0])
-        g.prefill(ids)
+        Stream(g, ids).prefill()
         tails[cls.__name__] = [int((p[0] >= 16).sum()) for p in g.kept_positions()]  # positions 16..20: last chunk
     assert min(tails["OrtGenerator"]) >= 2 * 4  # SnapKV keeps its 4 observing tokens, per KV head and layer
     assert min(tails["EndPadded"]) < 2 * 4

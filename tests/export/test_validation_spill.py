@@ -17,10 +17,10 @@ from transformers import AutoModelForCausalLM
 
 from kvexport.export import OrtGenerator, export_model
 from kvexport.export.fidelity import FidelityRun, FidelitySettings
-from kvexport.export.runtime import OrtGenerationResult
 from kvexport.export.spill import SpilledArrays, StoredRuns
 from kvexport.models.tiny import tiny_model
 from kvexport.presses import make_press
+from kvexport.runtime import GenerationResult as OrtGenerationResult
 
 FS = FidelitySettings(sequences=3, scored=7, prefix=30, recall=0)
 

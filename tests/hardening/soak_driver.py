@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Long decode through onnxruntime, checked at every step: ``python -m tests.hardening.soak_driver DIR STEPS``.
 
-Drives an export directory with the step API of :class:`kvexport.export.runtime.OrtGenerator` (``prefill``,
-``decode``, ``kept_positions``, the ``on_compaction`` callback) and keeps nothing per step, so the process's
+Drives an export directory (:class:`kvexport.runtime.OrtGenerator`) through a :class:`kvexport.runtime.Stream`
+(``prefill``, ``decode``, the driver's ``kept_positions``, the ``on_compaction`` callback) and keeps nothing per step, so the process's
 memory can be compared before and after. Prints one JSON line: steps, compactions, the RSS after warm-up and
 at the end, and the first violation found (None when every check held).
 """
@@ -32,7 +32,7 @@ def check_kept(gen, budgets: list[int], n: int, next_pos: int) -> str | None:
 
 
 def soak(path: str, steps: int, warmup: int | None = None, prompt_len: int = 21) -> dict:
-    from kvexport.export.runtime import OrtGenerator
+    from kvexport.runtime import OrtGenerator, Stream
 
     gen = OrtGenerator(path, providers=["CPUExecutionProvider"], threads=1)
     assert gen.press is not None, "the soak needs a static export with a press"
@@ -41,29 +41,31 @@ def soak(path: str, steps: int, warmup: int | None = None, prompt_len: int = 21)
     problems: list[str] = []
     state = {"next_pos": prompt_len}
 
-    def on_compaction(where, g):
+    stream = Stream(gen, ids)
+    logits = stream.prefill()
+
+    def on_compaction(where):
         if not problems:
-            p = check_kept(g, g.budgets, g.compactions, state["next_pos"])
+            p = check_kept(gen, list(gen.plan.budgets), stream.compactions, state["next_pos"])
             if p:
                 problems.append(p)
 
-    logits = gen.prefill(ids)
-    gen.on_compaction = on_compaction
+    stream.on_compaction = on_compaction
     proc = psutil.Process()
     warmup = steps // 10 if warmup is None else warmup
     rss_warm = None
-    compactions_after_prefill = gen.compactions
+    compactions_after_prefill = stream.compactions
     for step in range(steps):
         if not np.isfinite(logits).all():
             problems.append(f"non-finite logits at step {step}")
             break
-        logits = gen.decode(logits.argmax(-1))
+        logits = stream.decode(logits.argmax(-1))
         if problems:
             break
         state["next_pos"] += 1
         if step + 1 == warmup:
             rss_warm = proc.memory_info().rss
-    return {"steps": step + 1, "compactions": gen.compactions - compactions_after_prefill, "rss_warm": rss_warm,
+    return {"steps": step + 1, "compactions": stream.compactions - compactions_after_prefill, "rss_warm": rss_warm,
             "rss_end": proc.memory_info().rss, "last_position": state["next_pos"] - 1,
             "problem": problems[0] if problems else None}
 

@@ -17,7 +17,7 @@ from typing import Callable
 
 import pytest
 
-from kvexport.export.manifest import verify_manifest
+from kvexport.manifest import verify_manifest
 from tests.hardening.conftest import make_model_dir, run_cli
 
 

@@ -25,8 +25,8 @@ def test_each_kind_has_its_exit_code(cls, code):
 
 
 def _raising(monkeypatch, exc):
-    """Make `kvexport generate MODEL` raise exc once the model is resolved."""
-    import kvexport.cli.generate_cmd as g
+    """Make `kvexport generate MODEL` raise exc once the model is resolved (where it builds the press)."""
+    import kvexport.presses as g
 
     def boom(*a, **k):
         raise exc

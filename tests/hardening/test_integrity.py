@@ -17,7 +17,7 @@ import pytest
 
 import kvexport
 from kvexport.errors import BadArtifact
-from kvexport.export.manifest import verify_manifest
+from kvexport.manifest import verify_manifest
 from tests.hardening.conftest import copy_of, run_cli
 
 DAMAGE = {

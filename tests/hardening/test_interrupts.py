@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from kvexport.cli import main
-from kvexport.export.manifest import verify_manifest
+from kvexport.manifest import verify_manifest
 from tests.hardening.conftest import EXPORT_ARGS, copy_of, leftovers, messages
 
 
@@ -145,7 +145,7 @@ def test_build_engine_interrupted_keeps_previous_engines(tmp_path, monkeypatch, 
     import onnx
 
     import kvexport.tensorrt as trt_pkg
-    from kvexport.export.manifest import write_manifest
+    from kvexport.manifest import write_manifest
     from tests.tensorrt.onnx_models import topk_gather_model
     from tests.tensorrt.test_engine_build_fake import make_fake_trt
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvexport.export import ops
+from kvexport import ops
 from tests.export.test_ops import (
     NP,
     _run,
@@ -37,7 +37,7 @@ def test_topk_gather_masked_rows_full_k_and_infinities(S, full_k, dtype, seed):
     positions[0, 0] = -1  # a row with every slot empty
     positions[1, 1, rng.random(S) < 0.5] = -1
     want = topk_gather_numpy(scores, keys, values, positions, k)
-    got_t = ops.topk_gather(*(torch.from_numpy(x) for x in (scores, keys, values, positions)), k)
+    got_t = ops.topk_gather.topk_gather(*(torch.from_numpy(x) for x in (scores, keys, values, positions)), k)
     got_o = _run(topk_gather_model(B, H, S, Dk, Dv, k, dtype),
                  {"scores": scores, "keys": keys, "values": values, "positions": positions})
     for w, t, o in zip(want, got_t, got_o, strict=True):
@@ -58,7 +58,7 @@ def test_latent_attention_fully_masked_query_and_cache(dtype):
     qp = np.array([[-1, -1, -1], [0, 3, 9]], np.int64)  # row 0: padding queries only
     lp = np.array([[0, 1, 2, 3, 4], [-1, -1, -1, -1, 2]], np.int64)  # row 1: one visible slot from position 2
     want_out = latent_attention_numpy(q, latent, qp, lp, R, scale)
-    t_out = ops.latent_attention(*(torch.from_numpy(x) for x in (q, latent, qp, lp)), R, scale)
+    t_out = ops.latent_attention.latent_attention(*(torch.from_numpy(x) for x in (q, latent, qp, lp)), R, scale)
     (o_out,) = _run(latent_attention_model(B, Hq, T, S, R, Dr, scale, dtype),
                     {"q": q, "latent": latent, "q_positions": qp, "latent_positions": lp})
     tol = 1e-5 if dtype == "fp32" else 2e-2

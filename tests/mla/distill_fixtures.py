@@ -42,7 +42,7 @@ def model_dir(directory: Path, family: str = "llama", seed: int = 0, **kw) -> Pa
 def student_and_teacher(teacher_dir):
     """(MLA student rewritten at r_kv 12, d_rope 8, teacher Decoder) from a teacher directory."""
     from kvexport.mla import MLASettings, rewrite_to_mla
-    from kvexport.models.loading import load_decoder
+    from kvexport.mla.io import load_decoder
 
     teacher, _ = load_decoder(teacher_dir)
     return rewrite_to_mla(teacher, MLASettings(kv_rank=12, rope_dim=8)), teacher

@@ -12,7 +12,7 @@ import torch
 from onnx import numpy_helper
 
 from kvexport.export import export_model
-from kvexport.export import exporter as ex
+from kvexport.export import onnx_graph as ex
 from kvexport.mla.config import MLASettings
 from kvexport.mla.rewrite import rewrite_to_mla
 from kvexport.models.decoder import Decoder

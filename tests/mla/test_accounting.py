@@ -74,7 +74,7 @@ def test_inspect_saved_mla_dir_matches_its_cache(tiny_models, tmp_path):
 
 def test_inspect_energy_uses_the_weights(tmp_path):
     """--mla-energy reads the weights: per-layer elements = the ranks the rewrite picks + d_rope."""
-    from kvexport.models.loading import load_decoder
+    from kvexport.mla.io import load_decoder
     from kvexport.models.tiny import tiny_model
 
     tiny_model("mistral", seed=4).save_pretrained(tmp_path / "hf")

@@ -10,7 +10,7 @@ import torch
 
 from kvexport.errors import BadArtifact, BadUsage
 from kvexport.mla import MLASettings, is_mla_dir, load_mla, rewrite_to_mla, save_mla
-from kvexport.models.loading import load_decoder
+from kvexport.mla.io import load_decoder
 from tests.conftest import FAMILIES, FAMILY_IDS
 
 
@@ -83,7 +83,7 @@ def test_cli_rewrite_matches_api(tmp_path):
     src = model_dir(tmp_path / "hf", "qwen2")
     assert main(["rewrite", str(src), "--mla-rank", "16", "--rope-dim", "8", "--rope-init", "perhead", "--kv-fit", "pca",
                  "--rope-horizon", "100", "--equalize-latent", "--out", str(tmp_path / "mla")]) == 0
-    from kvexport.models.loading import load_decoder
+    from kvexport.mla.io import load_decoder
 
     ref = rewrite_to_mla(load_decoder(src)[0], MLASettings(kv_rank=16, rope_dim=8, rope_init="perhead", kv_fit="pca",
                                                            rope_horizon=100, equalize_latent=True))

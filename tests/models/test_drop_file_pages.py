@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from kvexport.mla import MLASettings, rewrite_to_mla
 from kvexport.models.decoder import Decoder
-from kvexport.models.loading import drop_file_pages, load_hf_model
+from kvexport.models.loading import load_hf_model
+from kvexport.models.release import drop_file_pages
 from kvexport.models.tiny import tiny_model
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status (Linux)")

@@ -12,7 +12,8 @@ import torch
 
 from kvexport.eval.data import heldout_windows
 from kvexport.generation import generate
-from kvexport.models.loading import load_decoder, load_tokenizer
+from kvexport.mla.io import load_decoder
+from kvexport.models.loading import load_tokenizer
 from kvexport.paths import MODELS_DIR
 
 NAMES = ["kvx-student", "kvx-teacher-2x", "kvx-teacher-4x"]

@@ -53,6 +53,7 @@ def test_logits_equal_transformers_past_the_window(windowed):
 
 def test_export_keeps_the_window(windowed, tmp_path):
     from kvexport.export import OrtGenerator, export_model, validate
+    from kvexport.runtime import Stream
 
     _, hf = windowed
     out = export_model(hf, tmp_path / "x", press="snapkv", budget=70, window=8, chunk=16)
@@ -60,6 +61,6 @@ def test_export_keeps_the_window(windowed, tmp_path):
     ids = np.random.default_rng(1).integers(3, 128, (1, 50))
     with torch.no_grad():
         ref = hf(torch.from_numpy(ids)).logits[0, -1].numpy()
-    np.testing.assert_allclose(gen.prefill(ids)[0], ref, atol=1e-4, rtol=1e-4)  # 50 < budget: nothing evicted yet
+    np.testing.assert_allclose(Stream(gen, ids).prefill()[0], ref, atol=1e-4, rtol=1e-4)  # 50 < budget: nothing evicted yet
     pair = validate(out, model=hf, prompts=[50, 90], steps=12, fidelity=False, write=False)["pairs"]
     assert pair["pytorch~onnxruntime"]["passed"]

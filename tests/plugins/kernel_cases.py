@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The kernel test cases, shared by the CPU path (test_kernels_cpu.py) and the GPU tests (test_kernels_gpu.py), and
-their two independent references: the op's ONNX function body (kvexport.export.ops) on onnxruntime for fp32 / fp16,
-and the PyTorch reference (``kvexport.export.ops.topk_gather``, ``latent_attention_reference``) for every dtype.
+their two independent references: the op's ONNX function body (kvexport.ops) on onnxruntime for fp32 / fp16,
+and the PyTorch reference (``kvexport.ops.topk_gather.topk_gather``, ``latent_attention_reference``) for every dtype.
 
 Inputs are made on the CPU from a seed (the GPU tests move them to the device); outputs the kernels do not write
 come back as the 0xFF poison (NaN / -1) and fail the checks.
@@ -18,7 +18,7 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper
 
-from kvexport.export import ops
+from kvexport import ops
 
 _ONNX_TYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16, torch.uint8: TensorProto.UINT8}
 
@@ -134,7 +134,7 @@ def topk_onnx(scores, keys, values, positions, k):
 def check_topk(case: TopKCase, inputs, outputs: dict, with_onnx: bool = True) -> None:
     """Exact agreement of kept indices (ascending), positions, keys and values with both references."""
     names = ("kept_keys", "kept_values", "kept_positions", "kept_indices")
-    want = [w.cpu() for w in ops.topk_gather(*inputs, case.k)]  # on the inputs' device
+    want = [w.cpu() for w in ops.topk_gather.topk_gather(*inputs, case.k)]  # on the inputs' device
     got = [outputs[n].cpu() for n in names]
     for name, g, w in zip(names, got, want, strict=True):
         assert g.shape == w.shape and torch.equal(g, w), f"{case.name}: {name} differs from the PyTorch reference"

@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvexport.generation import prefill
 from kvexport.models.decoder import Decoder
 from kvexport.presses import make_press
+from tests.cache._drive import prefill
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kvpress"
 NEAR_TIE = 1e-6

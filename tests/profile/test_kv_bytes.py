@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvexport.profile.kv_bytes import CacheShape, cache_table, full_cache_of
+from kvexport.cache.memory import CacheShape, cache_table, full_cache_of
 
 
 @pytest.mark.parametrize("budget,window", [(None, 0), (16, 4)])

@@ -8,58 +8,38 @@ import json
 import numpy as np
 import pytest
 
-from kvexport.profile.kv_bytes import CacheShape
+from kvexport.cache.memory import CacheShape
 from kvexport.profile.memory import PeakRSS, lifetime_peak_rss_bytes, rss_bytes
 from kvexport.profile.profiler import percentile, profile_runner, prompt_ids
 
 
-class ScriptedRunner:
-    """Records what the profiler asks for; allocates `alloc` bytes during prefill."""
+@pytest.fixture(scope="module")
+def runner(tiny_models):
+    """A real driver as the profiler runs it: the PyTorch path of a tiny Llama, Knorm budget 16, window 4."""
+    from kvexport.models.decoder import Decoder
+    from kvexport.presses import make_press
+    from kvexport.profile.runners import ProfiledDriver
+    from kvexport.runtime.torch_driver import TorchDriver
 
-    backend = "scripted"
-
-    def __init__(self, alloc=0, hold=None):
-        self.calls = []
-        self.alloc = alloc
-        self.hold = hold  # called while the allocation is alive
-        self.cache_shape = CacheShape(2, 2, 8, None, 0, 16, 4, 4)
-
-    def files(self):
-        return []
-
-    def start(self, total):
-        self.calls.append(("start", total))
-
-    def prefill(self, ids):
-        self.calls.append(("prefill", ids.shape))
-        if self.alloc:
-            buf = np.ones(self.alloc, dtype=np.uint8)  # touched pages count in RSS
-            if self.hold is not None:
-                self.hold()
-            del buf
-        return 5
-
-    def decode(self, tok):
-        self.calls.append(("decode", tok))
-        return tok + 1
+    dec = Decoder.from_hf(tiny_models("llama"))
+    shape = CacheShape(dec.spec.num_layers, dec.spec.num_kv_heads, dec.spec.head_dim, None, 0, 16, 4, 4,
+                       query_heads=dec.spec.num_heads, query_dim=dec.spec.head_dim, vocab_size=dec.spec.vocab_size)
+    return ProfiledDriver(TorchDriver(dec, make_press("knorm", budget=16), window=4, chunk=8), "pytorch", [], shape)
 
 
-def test_profile_rows():
-    r = ScriptedRunner()
-    out = profile_runner(r, [8, 32], decode_steps=3, vocab_size=50)
-    assert out["backend"] == "scripted"
+def test_profile_rows(runner):
+    out = profile_runner(runner, [8, 32], decode_steps=3, vocab_size=50, repeats=2)
+    assert out["backend"] == "pytorch"
     rows = out["contexts"]
     assert [row["context"] for row in rows] == [8, 32]
-    # warm-up (start, prefill 8 tokens, 2 decodes), then per context: start, prefill, 3 decodes
-    assert r.calls[:4] == [("start", 18), ("prefill", (1, 8)), ("decode", 5), ("decode", 6)]
-    assert r.calls[4:9] == [("start", 11), ("prefill", (1, 8)), ("decode", 5), ("decode", 6), ("decode", 7)]
     for row in rows:
-        assert row["decode_steps"] == 3
+        assert row["decode_steps"] == 3 and row["repeats"] == 2
         assert row["decode_ms_p50"] <= row["decode_ms_p90"]
         assert row["tokens_per_s"] == pytest.approx(1e3 / row["decode_ms_p50"])
         assert row["tokens_per_s_mean"] == pytest.approx(1e3 / row["decode_ms_mean"])
         assert row["ttft_s"] == row["prefill_s"] > 0
-        assert row["kv_bytes"] == r.cache_shape.bytes_at(row["context"] + 3)
+        assert row["kv_bytes"] == runner.cache_shape.bytes_at(row["context"] + 3)
+        assert row["resident"]["kv"] == row["kv_bytes"]  # the cache as allocated is the formula's
         assert row["peak_rss_bytes"] >= row["rss_start_bytes"] > 0
         assert "tegrastats" not in row or row["tegrastats"]["samples"] >= 0
 
@@ -68,7 +48,7 @@ def test_peak_rss_sees_a_transient_allocation():
     """A 128 MiB buffer, touched and held until the sampler has taken 3 samples, shows in the peak (>= 80 %)."""
     import time
 
-    from kvexport.models.loading import free_memory
+    from kvexport.models.release import free_memory
 
     free_memory()  # an earlier test's garbage (cycles) collected inside the window would hide the allocation
     n = 128 << 20
@@ -79,9 +59,10 @@ def test_peak_rss_sees_a_transient_allocation():
         while m.samples < first + 3 and time.monotonic() - t0 < 10:
             time.sleep(0.001)
 
-    r = ScriptedRunner(alloc=n, hold=hold)
     with m:
-        r.prefill(np.zeros((1, 4)))
+        buf = np.ones(n, dtype=np.uint8)  # touched pages count in RSS
+        hold()
+        del buf
     assert m.samples >= 3
     assert m.delta >= n * 0.8
     assert rss_bytes() < m.peak
@@ -95,7 +76,7 @@ def test_percentile_and_prompts():
     assert a.shape == (1, 100) and (a == b).all() and a.min() >= 3 and a.max() < 40
 
 
-def test_profile_runner_samples_tegrastats(tmp_path, monkeypatch):
+def test_profile_runner_samples_tegrastats(runner, tmp_path, monkeypatch):
     """With a tegrastats on PATH (a Jetson), every context row carries the parsed summary."""
     import os
     import stat
@@ -107,14 +88,7 @@ def test_profile_runner_samples_tegrastats(tmp_path, monkeypatch):
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
 
-    class Slow(ScriptedRunner):
-        def decode(self, tok):
-            import time
-
-            time.sleep(0.05)
-            return super().decode(tok)
-
-    out = profile_runner(Slow(), [8], decode_steps=4, vocab_size=50, tegrastats_interval_ms=10)
+    out = profile_runner(runner, [8], decode_steps=60, vocab_size=50, tegrastats_interval_ms=10, repeats=2)
     teg = out["contexts"][0]["tegrastats"]
     assert teg["samples"] >= 1
     assert teg["ram_total_mb"] == 62841

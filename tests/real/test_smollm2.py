@@ -18,6 +18,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -38,7 +39,7 @@ def english_ids(tok, n: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def decoder(smollm2):
-    from kvexport.models.loading import load_decoder
+    from kvexport.mla.io import load_decoder
 
     dec, _ = load_decoder(smollm2.hf_dir)
     return dec.eval()
@@ -111,8 +112,9 @@ def test_full_cache_passkey_as_good_as_transformers(decoder, transformers_origin
     assert ours_hits >= theirs_hits
 
 
-SETTINGS = ["--press", "snapkv", "--budget", "128", "--window", "16", "--chunk", "64", "--no-profile",
-            "--no-baseline", "--validate-steps", "8"]
+#: convert's defaults (no compression flag: SnapKV 2048 + lookahead 64 + neighbours 3, chunk 512, int8), without
+#: the profile and the baseline, a short parity run
+SETTINGS = ["--no-profile", "--no-baseline", "--validate-steps", "8"]
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +138,38 @@ def test_convert_from_the_gguf_file(converted, smollm2):
     assert cj["model"]["name"] == "SmolLM2-135M-Instruct.Q4_1" and cj["model"]["family"].lower() == "llama"
     assert cj["model"]["gguf"]["sha256"] == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
     assert cj["model"]["num_layers"] == 30 and cj["model"]["num_kv_heads"] == 3
+
+
+def test_default_conversion_retrieves_the_passkey_the_original_retrieves(converted, decoder, smollm2):
+    """The default conversion's export (onnxruntime, int8 cache, chunked prefill observed by the prompt's last 64
+    tokens) on passkey prompts longer than its budget (2048 + 32 slots; 2500 tokens: five chunks, the fifth
+    compacts) finds every key the original (kvexport's decoder, full fp32 cache, = transformers within 1e-4 above)
+    finds, and the original finds at least one."""
+    from kvexport.eval.longctx import passkey_example
+    from kvexport.generation import generate as torch_generate
+    from kvexport.models.loading import load_tokenizer
+    from kvexport.runtime import OrtGenerator, generate
+
+    out, r = converted
+    assert r.returncode == 0, r.stderr[-3000:]
+    cj = json.loads((out / "convert.json").read_text())["settings"]
+    assert (cj["press"], cj["budget"], cj["lookahead"], cj["neighbors"], cj["kv_dtype"]) == ("snapkv", 2048, 64, 3,
+                                                                                              "int8")
+    tok = load_tokenizer(smollm2.hf_dir)
+    gen = OrtGenerator(out / "onnx")
+    found = {"original": 0, "converted": 0}
+    for depth in (0.1, 0.5):
+        ex = passkey_example(tok, 2500, depth)
+        ids = np.asarray([ex.prompt])
+        conv = generate(gen, ids, None, 8)
+        assert conv.compactions >= 1
+        orig = torch_generate(decoder, torch.as_tensor(ids), None, max_new_tokens=8)
+        hit_c = ex.answer in tok.decode(conv.tokens[0].tolist())
+        hit_o = ex.answer in tok.decode(orig.tokens[0].tolist())
+        assert hit_c or not hit_o, (depth, tok.decode(conv.tokens[0].tolist()), ex.answer)
+        found["original"] += hit_o
+        found["converted"] += hit_c
+    assert found["original"] >= 1, found
 
 
 def test_quality_verdict_on_the_real_model(converted):

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from kvexport.cache.memory import CacheShape, cache_table
 from kvexport.errors import BadArtifact
-from kvexport.profile.kv_bytes import CacheShape, cache_table
 from kvexport.report import normalize_parity, write_report
 from tests.report.browser import dump_dom, find_chromium, screenshot
 
@@ -201,7 +201,7 @@ def test_conversion_manifest_guards_top_level_outputs(tmp_path):
     """DIR/manifest.json lists convert.json / parity.json / report.* by sha256; report refuses an altered one."""
     import json as _json
 
-    from kvexport.convert import layout
+    from kvexport import layout
     from kvexport.errors import BadArtifact
     from kvexport.report import collect as _collect
     from kvexport.report import write_report

@@ -4,8 +4,12 @@ first worker exports, the others wait for it), and a copy of it whose tokenizer 
 
 The export is small enough for compactions to happen in short runs: SnapKV budget 32 + window 8, prefill chunks
 of 16, ``decode_batch`` 4 (four slots decoded in one graph call), positions limited to 512, and the in-place decode
-graph (which the slots leave alone and the solo reference runs); and, for the tests
-that need it, the same rewritten to MLA (``mla_export_dir``, the kind of export ``kvexport convert`` makes).
+graph (which the slots leave alone); and, for the tests that need it, the same rewritten to MLA
+(``mla_export_dir``, the kind of export ``kvexport convert`` makes).
+
+The reference every served sequence is held to is independent of the slots: ``kvexport generate``'s PyTorch path
+(:func:`kvexport.generation.generate`) with the export's source model, press, budget, window, chunk and cache
+format, one sequence at a time (:class:`LibraryRun`). It shares no code with the slots but the cache rules.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ def _shared_root(tmp_path_factory) -> Path:
 
 def _make_exports(root: Path) -> dict[str, Path]:
     from kvexport.export import export_model
-    from kvexport.export.manifest import ONNX_EXPORT, read_manifest, write_manifest
+    from kvexport.manifest import ONNX_EXPORT, read_manifest, write_manifest
     from kvexport.presses import make_press
 
     plain, chat = root / "kvx-student", root / "kvx-student-chat"
@@ -43,7 +47,7 @@ def _make_exports(root: Path) -> dict[str, Path]:
         shutil.rmtree(chat, ignore_errors=True)
         export_model(str(STUDENT), plain, press=make_press("snapkv", budget=BUDGET, window_size=WINDOW),
                      window=WINDOW, chunk=CHUNK, batch=1, decode_batch=SLOTS, max_positions=MAX_POSITIONS,
-                     inplace_decode=True)  # the slots run decode(_batch).onnx; OrtGenerator (solo) the in-place one
+                     inplace_decode=True)  # the slots run decode(_batch).onnx, never the in-place one
         # the same export with a tokenizer that has a chat template (the bundled one has none)
         shutil.copytree(plain, chat)
         cfg = chat / "tokenizer" / "tokenizer_config.json"
@@ -89,12 +93,42 @@ def chat_dir(exports) -> Path:
     return exports["chat"]
 
 
+class LibraryRun:
+    """The PyTorch library path (:func:`kvexport.generation.generate`) with an export's source model and settings
+    (:func:`kvexport.export.reference.reference_kwargs`), one sequence at a time; results as NumPy arrays."""
+
+    def __init__(self, export_dir: Path):
+        from kvexport.export.reference import load_reference_model
+        from kvexport.manifest import ONNX_EXPORT, verify_manifest
+
+        manifest = verify_manifest(export_dir, ONNX_EXPORT)
+        self.settings = manifest["settings"]
+        self.decoder = load_reference_model(manifest, root=export_dir)
+
+    def generate(self, ids, max_new_tokens: int, eos_token_id=None, forced_tokens=None, track_kept=False,
+                 keep_logits=False):
+        import numpy as np
+        import torch
+
+        from kvexport.export.reference import reference_kwargs
+        from kvexport.export.source import press_from_dict
+        from kvexport.generation import generate
+
+        kw = reference_kwargs(self.settings, press_from_dict(self.settings["press"]))
+        res = generate(self.decoder, torch.as_tensor(np.asarray(ids)), max_new_tokens=max_new_tokens,
+                       eos_token_id=eos_token_id, forced_tokens=forced_tokens, track_kept=track_kept,
+                       keep_logits=keep_logits, **kw)
+        res.tokens = res.tokens.numpy()
+        res.prompt_logits = res.prompt_logits.numpy()
+        res.step_logits = [x.numpy() for x in res.step_logits]
+        res.kept_positions = [[p.numpy() for p in layers] for layers in res.kept_positions]
+        return res
+
+
 @pytest.fixture(scope="session")
 def solo(export_dir):
-    """The independent reference: one OrtGenerator on the same export, one sequence at a time."""
-    from kvexport.export.runtime import OrtGenerator
-
-    return OrtGenerator(export_dir)
+    """The independent reference: ``kvexport generate``'s PyTorch path with the export's model and settings."""
+    return LibraryRun(export_dir)
 
 
 @pytest.fixture(scope="session")
@@ -113,7 +147,7 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 def reference(solo, prompt: list[int], max_tokens: int, eos: int | None = None):
-    """Greedy tokens of a solo run, up to and with the first EOS (as a server returns them)."""
+    """Greedy tokens of a solo run of the library path, up to and with the first EOS (as a server returns them)."""
     import numpy as np
 
     res = solo.generate(np.array([prompt]), max_new_tokens=max_tokens, eos_token_id=eos, track_kept=True)

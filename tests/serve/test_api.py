@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The real server on 127.0.0.1 (a free port, uvicorn in a thread) through the real ``openai`` client: completions
-and chat, streamed and not. Greedy output equals a solo OrtGenerator run on the same export token for token (and
+and chat, streamed and not. Greedy output equals a solo run of the PyTorch library path with the export's model and settings token for token (and
 its text); stop strings cut where the reference text has them; seeded sampling replays exactly; several prompts in
 one request; models, health and metrics."""
 
@@ -34,9 +34,9 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def chat_solo(chat_dir):
-    from kvexport.export.runtime import OrtGenerator
+    from tests.serve.conftest import LibraryRun
 
-    return OrtGenerator(chat_dir)
+    return LibraryRun(chat_dir)
 
 
 def token_ids(choice) -> list[int]:

@@ -83,7 +83,7 @@ def test_an_export_of_another_version_is_refused_at_start(export_dir, tmp_path):
     """Graphs that want host inputs this version does not give: one line before serving, not an error per request."""
     import shutil
 
-    from kvexport.export.manifest import ONNX_EXPORT, read_manifest, write_manifest
+    from kvexport.manifest import ONNX_EXPORT, read_manifest, write_manifest
 
     stale = tmp_path / "stale"
     shutil.copytree(export_dir, stale)
@@ -96,7 +96,7 @@ def test_an_export_of_another_version_is_refused_at_start(export_dir, tmp_path):
 def test_batched_decode_needs_a_decode_batch_graph(export_dir, tmp_path):
     import shutil
 
-    from kvexport.export.manifest import ONNX_EXPORT, read_manifest, write_manifest
+    from kvexport.manifest import ONNX_EXPORT, read_manifest, write_manifest
 
     plain = tmp_path / "no-decode-batch"
     shutil.copytree(export_dir, plain)
@@ -181,7 +181,7 @@ def test_a_conversion_serves_its_onnx_export(mla_export_dir, tokenizer, tmp_path
     then DIR/onnx, an MLA export) answers as `kvexport generate DIR` does."""
     import shutil
 
-    from kvexport.convert import layout
+    from kvexport import layout
 
     conv = tmp_path / "kvx-student"
     shutil.copytree(mla_export_dir, conv / layout.ONNX_DIR)

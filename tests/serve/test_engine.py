@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The scheduler over real slots is faithful to the cache rules: three sequences of different lengths, two slots,
 the third admitted mid-way into a slot another sequence left. Each one's greedy tokens, and after every compaction
-the positions its slot keeps, equal a solo run of the same prompt and tokens (OrtGenerator on the same export; the
-PyTorch backend against kvexport.generation.generate). Prefill chunks interleave with the other streams' decode
-steps. Driven tick by tick (``Engine.step``), so the order of events is the scheduler's own, not a race."""
+the positions its slot keeps, equal a solo run of the same prompt and tokens on ``kvexport generate``'s PyTorch path
+(kvexport.generation.generate with the export's model and settings: no code shared with the slots but the cache
+rules). Prefill chunks interleave with the other streams' decode steps. Driven tick by tick (``Engine.step``), so the order of events is the scheduler's own, not a race."""
 
 from __future__ import annotations
 
@@ -50,16 +50,10 @@ def assert_same_kept(got: list, want_steps: list[str], want_kept: list) -> None:
 @pytest.mark.parametrize("decode", ["batched", "rows"], ids=["decode_batch", "slot-by-slot"])
 def test_slots_equal_solo_runs(export_dir, tokenizer, solo, decode):
     backend = GraphSlots(export_dir, max_sequences=2, decode=decode)
-    assert backend.rt.batched is (decode == "batched") and backend.n_slots == 2
-    assert solo.inplace and not backend.rt.inplace and "decode_inplace" not in backend.rt.sessions
+    assert backend.host.batched is (decode == "batched") and backend.n_slots == 2
+    assert not backend.host.inplace and "decode_inplace" not in backend.host.graphs.sessions
     seqs, ticks = run(backend, tokenizer)
-    for s in seqs:
-        free = solo.generate(np.array([s.prompt]), max_new_tokens=s.max_tokens)  # greedy, nothing forced
-        assert s.tokens == free.tokens[0].tolist()
-        forced = solo.generate(np.array([s.prompt]), max_new_tokens=s.max_tokens, forced_tokens=np.array([s.tokens]),
-                               track_kept=True)
-        assert forced.compactions == len(s.compactions) > 0
-        assert_same_kept(s.compactions, forced.compaction_steps, forced.kept_positions)
+    assert_equal_library_runs(seqs, solo)
     # the third sequence took the slot the second left, and was admitted while the first still decoded
     assert seqs[2].slot == seqs[1].slot
     first_c = next(t for t, evs in enumerate(ticks) if any(i == 2 for i, _ in evs))
@@ -71,59 +65,53 @@ def test_slots_equal_solo_runs(export_dir, tokenizer, solo, decode):
     assert first_c - last_b == 3
 
 
-def test_pytorch_backend_equals_library_generate(export_dir, tokenizer):
-    import torch
+def assert_equal_library_runs(seqs: list[Sequence], solo) -> None:
+    """Each sequence's tokens are the library path's greedy ones; forced with them, the library path compacts at the
+    same steps and keeps the same positions as the slot did."""
+    for s in seqs:
+        free = solo.generate(np.array([s.prompt]), max_new_tokens=s.max_tokens)  # greedy, nothing forced
+        assert s.tokens == free.tokens[0].tolist()
+        forced = solo.generate(np.array([s.prompt]), max_new_tokens=s.max_tokens, forced_tokens=np.array([s.tokens]),
+                               track_kept=True)
+        assert forced.compactions == len(s.compactions) > 0
+        assert_same_kept(s.compactions, forced.compaction_steps, forced.kept_positions)
 
-    from kvexport.export.exporter import press_from_dict
-    from kvexport.generation import generate
+
+def test_pytorch_backend_equals_library_generate(export_dir, tokenizer, solo):
     from kvexport.serve.backends.torch_slots import TorchSlots
 
     backend = TorchSlots(export_dir, max_sequences=2)
     seqs, _ = run(backend, tokenizer)
-    s = backend.settings
-    for q in seqs:
-        ids = torch.tensor([q.prompt])
-        free = generate(backend.decoder, ids, press=press_from_dict(s["press"]), window=s["window"], chunk=s["chunk"],
-                        max_new_tokens=q.max_tokens)
-        assert q.tokens == free.tokens[0].tolist()
-        forced = generate(backend.decoder, ids, press=press_from_dict(s["press"]), window=s["window"],
-                          chunk=s["chunk"], max_new_tokens=q.max_tokens, forced_tokens=np.array([q.tokens]),
-                          track_kept=True)
-        assert forced.compactions == len(q.compactions) > 0
-        assert_same_kept(q.compactions, forced.compaction_steps, forced.kept_positions)
+    assert_equal_library_runs(seqs, solo)
 
 
 @pytest.mark.parametrize("decode", ["batched", "rows"], ids=["decode_batch", "slot-by-slot"])
 def test_mla_slots_equal_solo_runs(mla_export_dir, tokenizer, decode):
-    """An MLA cache (one latent tensor per layer, ``v_i`` empty) through the slots equals its solo runs."""
-    from kvexport.export.runtime import OrtGenerator
+    """An MLA cache (one latent tensor per layer, ``v_i`` empty) through the slots equals the library path's runs."""
+    from tests.serve.conftest import LibraryRun
 
-    solo = OrtGenerator(mla_export_dir)
+    solo = LibraryRun(mla_export_dir)
     assert solo.settings["graphs"]["layers"][0]["value_dim"] == 0
     backend = GraphSlots(mla_export_dir, max_sequences=2, decode=decode)
     seqs, _ = run(backend, tokenizer)
-    for s in seqs:
-        assert s.tokens == solo.generate(np.array([s.prompt]), max_new_tokens=s.max_tokens).tokens[0].tolist()
-        forced = solo.generate(np.array([s.prompt]), max_new_tokens=s.max_tokens, forced_tokens=np.array([s.tokens]),
-                               track_kept=True)
-        assert_same_kept(s.compactions, forced.compaction_steps, forced.kept_positions)
+    assert_equal_library_runs(seqs, solo)
 
 
 def test_tensorrt_host_logic_with_stand_in_engines(export_dir, tokenizer, solo, tmp_path):
-    """The TensorRT flavour of the slots (TrtGenerator's hooks) on stand-in engines that run the ONNX graphs."""
+    """The TensorRT flavour of the slots (TrtGenerator's engines as the host's backend) on stand-in engines that
+    run the ONNX graphs, against the library path."""
     from tests.tensorrt.test_generator import OnnxAsEngine, fake_engines
 
     engines = fake_engines(export_dir, tmp_path / "engines")
     backend = GraphSlots(export_dir, "tensorrt", max_sequences=2, engines=engines, decode="batched",
                          runtime_kw={"runner_factory": OnnxAsEngine})
-    assert backend.rt.backend == "tensorrt" and backend.rt.batched
+    assert backend.host.graphs.backend == "tensorrt" and backend.host.batched
     seqs, _ = run(backend, tokenizer)
-    for s in seqs:
-        assert s.tokens == solo.generate(np.array([s.prompt]), max_new_tokens=s.max_tokens).tokens[0].tolist()
+    assert_equal_library_runs(seqs, solo)
 
 
 def test_resident_bytes_equal_the_formula_and_stay_fixed(export_dir, tokenizer):
-    from kvexport.profile.kv_bytes import CacheShape
+    from kvexport.cache.memory import CacheShape
 
     backend = GraphSlots(export_dir)
     got = backend.resident_bytes()

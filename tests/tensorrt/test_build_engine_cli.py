@@ -22,7 +22,7 @@ import kvexport.tensorrt.backend as backend
 import kvexport.tensorrt.plugins as plugins_mod
 from kvexport.cli import main
 from kvexport.errors import BadArtifact, BadUsage, MissingBackend
-from kvexport.export.manifest import write_manifest
+from kvexport.manifest import write_manifest
 from kvexport.tensorrt import TensorRTRunner, find_onnx_graphs, load_plugins
 from tests.tensorrt.onnx_models import topk_gather_model
 

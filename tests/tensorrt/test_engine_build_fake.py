@@ -100,7 +100,7 @@ def export_dir(tmp_path, monkeypatch):
 
 def _with_manifest(d):
     """`kvexport build-engine` verifies the export against its manifest first."""
-    from kvexport.export.manifest import write_manifest
+    from kvexport.manifest import write_manifest
 
     write_manifest(d, "onnx-export", {})
     return d
@@ -145,7 +145,7 @@ def test_cli_builds_one_engine_per_graph(export_dir, monkeypatch, capsys):
     assert main(["build-engine", str(_with_manifest(export_dir))]) == 0
     out = export_dir.with_name(export_dir.name + "-tensorrt")  # beside the export: its manifest stays valid
     assert sorted(p.name for p in out.glob("*.engine")) == ["decode.engine", "prefill.engine"]
-    from kvexport.export.manifest import verify_manifest
+    from kvexport.manifest import verify_manifest
 
     assert verify_manifest(out, "tensorrt-engines")["settings"]["tensorrt"] == "10.3.0"
     verify_manifest(export_dir, "onnx-export")

@@ -9,7 +9,7 @@ import types
 import onnx
 from onnx import TensorProto, helper
 
-from kvexport.export import ops
+from kvexport import ops
 from kvexport.tensorrt.engine import pin_scores_fp32, topk_score_tensors
 
 TRT = types.SimpleNamespace(float32="f32", float16="f16", bfloat16="bf16", int64="i64")

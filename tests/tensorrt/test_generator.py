@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The TensorRT step runner's host logic (TrtGenerator) against onnxruntime, with a stand-in engine runner.
+"""The TensorRT step driver (TrtGenerator: the one host over TensorRT engines) against the PyTorch library path,
+with a stand-in engine runner.
 
 Each ``<graph>.engine`` of a stand-in engine folder is run by onnxruntime on the export's ``<graph>.onnx`` through
-Polygraphy's runner interface, so everything TrtGenerator does itself (engine folder checks, cache hand-over
-between calls, chunked prefill, compaction, the step API, validate's TensorRT pairs, profile's TensorRT runner)
-is compared with OrtGenerator exactly. Real engines run only where TensorRT and a GPU exist
+Polygraphy's runner interface, so everything the TensorRT path does on the host (engine folder checks, cache
+hand-over between calls, chunked prefill, compaction, validate's TensorRT pairs, profile's TensorRT runner) is
+compared with an independent reference: :func:`kvexport.generation.generate` with the export's model and settings
+(not OrtGenerator, which shares the host). Real engines run only where TensorRT and a GPU exist
 (tests/tensorrt/test_build_engine_cli.py)."""
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 
 from kvexport.cli import main
 from kvexport.errors import BadArtifact
-from kvexport.export.manifest import MANIFEST, sha256_file, write_manifest
+from kvexport.manifest import MANIFEST, sha256_file, write_manifest
 from kvexport.tensorrt.generator import ENGINE_KIND, TrtGenerator
 
 
@@ -63,20 +65,31 @@ def exported(tmp_path_factory, tiny_models):
     return out
 
 
-def test_trt_generator_matches_onnxruntime(exported):
-    from kvexport.export import OrtGenerator
+def library_run(export_dir: Path, model, ids: np.ndarray, n_new: int):
+    """The PyTorch library path with the export's settings on ``model`` (the source of the export)."""
+    from kvexport.export.reference import load_reference_model, reference_generate
+    from kvexport.export.source import press_from_dict
+    from kvexport.manifest import verify_manifest
 
+    manifest = verify_manifest(export_dir)
+    s = manifest["settings"]
+    return reference_generate(load_reference_model(manifest, model), s, press_from_dict(s["press"]), ids,
+                              np.ones_like(ids), n_new)
+
+
+def test_trt_generator_matches_the_library_path(exported, tiny_models):
     ids = np.random.default_rng(1).integers(3, 128, (1, 19))
-    ref = OrtGenerator(exported, share_weights=False).generate(ids, None, 14, keep_logits=True)  # plain sessions, as the stand-in
+    ref = library_run(exported, tiny_models("llama"), ids, 14)
     with TrtGenerator(exported, runner_factory=OnnxAsEngine) as gen:  # default engine folder: x-tensorrt
         res = gen.generate(ids, None, 14, keep_logits=True)
         calls = {n: r.calls for n, r in gen.runners.items()}
-    np.testing.assert_array_equal(res.tokens, ref.tokens)
-    np.testing.assert_array_equal(np.stack(res.step_logits), np.stack(ref.step_logits))
+    np.testing.assert_array_equal(res.tokens, ref.tokens.numpy())
+    np.testing.assert_allclose(np.stack(res.step_logits), np.stack([x.numpy() for x in ref.step_logits]), atol=1e-4,
+                               rtol=0)  # the parity tests' fp32 tolerance
     assert res.compactions == ref.compactions > 0 and res.compaction_steps == ref.compaction_steps
     for a, b in zip(res.kept_positions, ref.kept_positions, strict=True):
         for x, y in zip(a, b, strict=True):
-            np.testing.assert_array_equal(x, y)
+            np.testing.assert_array_equal(x, y.numpy())
     # 19 tokens = 3 chunks of 8, two of them overflowing the budget; the rest of the compactions while decoding
     assert calls == {"prefill": 3, "compact_prefill": 2, "decode": 13, "compact": res.compactions - 2}
 
@@ -118,18 +131,22 @@ def test_validate_adds_tensorrt_pairs(exported, tmp_path, tiny_models):
     assert json.loads((d / "parity.json").read_text())["pairs"].keys() == rep["pairs"].keys()
 
 
-def test_profile_runner_on_tensorrt_steps_like_onnxruntime(exported):
-    from kvexport.profile.runners import OrtRunner, TensorRTRunner
+def test_profile_runner_on_tensorrt(exported, tiny_models):
+    """The profiler times the TensorRT driver through the one loop: its run is the library path's, and what it
+    reports resident is the formula's."""
+    from kvexport.cache.memory import CacheShape
+    from kvexport.manifest import verify_manifest
+    from kvexport.profile.profiler import profile_runner
+    from kvexport.profile.runners import ProfiledDriver
 
     ids = np.random.default_rng(2).integers(3, 128, (1, 17))
-    out = []
-    for r in (OrtRunner(exported), TensorRTRunner(exported, runner_factory=OnnxAsEngine)):
-        r.start(30)
-        toks = [r.prefill(ids)]
-        for _ in range(10):
-            toks.append(r.decode(toks[-1]))
-        out.append(toks)
-    assert out[0] == out[1]
+    shape = CacheShape.from_export(verify_manifest(exported)["settings"])
+    r = ProfiledDriver(TrtGenerator(exported, runner_factory=OnnxAsEngine), "tensorrt", cache_shape=shape)
+    assert r.generate(ids, 11).tokens[0].tolist() == library_run(exported, tiny_models("llama"), ids, 11).tokens[0].tolist()
+    out = profile_runner(r, [17], decode_steps=10, vocab_size=128, repeats=1)
+    row = out["contexts"][0]
+    assert out["backend"] == "tensorrt" and row["decode_steps"] == 10
+    assert row["resident"] == shape.resident_bytes_at(27)
 
 
 @pytest.mark.parametrize("argv", [
@@ -161,22 +178,20 @@ def _no_trt_gpu() -> str | None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_no_trt_gpu() is not None, reason=str(_no_trt_gpu()))
-def test_real_engines_generate_like_onnxruntime(exported, tmp_path):
-    """Real TensorRT engines (build-engine) through TrtGenerator: greedy tokens equal onnxruntime's, logits within
-    1e-3, same kept positions after each compaction (fp32 engines)."""
+def test_real_engines_generate_like_the_library_path(exported, tmp_path, tiny_models):
+    """Real TensorRT engines (build-engine) through TrtGenerator: greedy tokens equal the PyTorch library path's,
+    logits within 1e-3, same kept positions after each compaction (fp32 engines)."""
     import shutil
-
-    from kvexport.export import OrtGenerator
 
     d = tmp_path / "x"
     shutil.copytree(exported, d)
     assert main(["build-engine", str(d)]) == 0
     ids = np.random.default_rng(3).integers(3, 128, (1, 19))
-    ref = OrtGenerator(d).generate(ids, None, 14, keep_logits=True)
+    ref = library_run(d, tiny_models("llama"), ids, 14)
     with TrtGenerator(d) as gen:
         res = gen.generate(ids, None, 14, keep_logits=True)
-    np.testing.assert_array_equal(res.tokens, ref.tokens)
-    np.testing.assert_allclose(np.stack(res.step_logits), np.stack(ref.step_logits), atol=1e-3)
+    np.testing.assert_array_equal(res.tokens, ref.tokens.numpy())
+    np.testing.assert_allclose(np.stack(res.step_logits), np.stack([x.numpy() for x in ref.step_logits]), atol=1e-3)
     for a, b in zip(res.kept_positions, ref.kept_positions, strict=True):
         for x, y in zip(a, b, strict=True):
-            np.testing.assert_array_equal(x, y)
+            np.testing.assert_array_equal(x, y.numpy())

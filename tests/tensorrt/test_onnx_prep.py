@@ -136,10 +136,10 @@ def test_bad_inputs(tmp_path):
 
 
 def test_exporter_functions_are_stripped(tmp_path):
-    """The exporter's own local functions (kvexport.export.ops) for both ops are what gets stripped."""
+    """The exporter's own local functions (kvexport.ops) for both ops are what gets stripped."""
     from onnx import TensorProto, helper
 
-    from kvexport.export import ops
+    from kvexport import ops
 
     B, H, S, D, R, k = 1, 2, 8, 6, 4, 3
     vi = helper.make_tensor_value_info

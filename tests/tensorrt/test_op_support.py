@@ -184,7 +184,7 @@ def test_planted_restrictions_are_named(decode_model):
 
 def test_planted_plugin_type_is_named():
     """A TopKGather fed fp16 scores: the plugin takes FP32 scores only."""
-    from kvexport.export import ops
+    from kvexport import ops
 
     vi = helper.make_tensor_value_info
     node = ops.make_node("TopKGather", ["scores", "keys", "values", "positions"],
@@ -215,7 +215,7 @@ def test_matrices_cover_the_oldest_and_newest_release():
 def _latent_model(latent_type, n_inputs: int, latent_format: int):
     """One LatentAttention node: q fp16 (1, 2, 1, 12), latent (1, 8, 12) of ``latent_type``, then the first
     ``n_inputs`` of (q_positions, latent_positions, new_latent, latent_scale)."""
-    from kvexport.export import ops
+    from kvexport import ops
 
     vi = helper.make_tensor_value_info
     decl = [vi("q", TensorProto.FLOAT16, [1, 2, 1, 12]), vi("latent", latent_type, [1, 8, 12]),

@@ -1,5 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Analytic cache size per sequence: the one formula of what a deployment keeps resident.
+"""Memory accounting of a cache, stated once: the kinds of buffer a sequence keeps resident, how a runtime measures
+what it allocated (:func:`measure`), and the analytic formula (:class:`CacheShape`) the measurements are held to.
+
+Buffer kinds (:data:`KINDS`), named by the graphs' tensor names (:func:`kind_of`)::
+
+    kv               k_i, v_i          K/V (or the MLA latent) as stored: codes for int8 / fp8
+    scales           ks_i, vs_i        float16 scales of a quantized format
+    positions        pos_i             int64 position of every slot
+    queries          qbuf_i            the press's query ring
+    query_positions  qpos              the ring's positions
+    step_outputs     *_new_i           a decode step's new rows (or a growing past's spare buffer)
+    logits           logits            the step's logits
+    staging          (prefill)         a prefill chunk's rows, held only while a prompt is fed
 
 Elements cached per token and layer:
     GQA/MHA:  2 * n_kv * d_h             (keys and values of every KV head)
@@ -8,16 +20,17 @@ Elements cached per token and layer:
 Bytes per element: the cache format's (``kv_dtype``, :mod:`kvexport.cache.formats`: 4 fp32, 2 fp16 / bf16, 1 int8 /
 fp8); a quantized format adds one float16 scale per row (per token, cache head and tensor: keys and values, or
 the latent alone), ``2 * 2 * n_kv`` (GQA) or ``2`` (MLA) bytes per token and layer, counted as ``scales``.
-A static-budget cache allocates ``budget + window`` slots per layer once and never grows (PyramidKV: a budget
-per layer); a full cache holds every token of the context (a static export without a press holds the bucket of
-the context, at most its ``capacity``: :func:`kvexport.cache.plan.bucket_slots`, the plan's rule 7).
+A static-budget cache allocates its plan's capacities (``budget + window`` slots per layer,
+:attr:`kvexport.cache.plan.CachePlan.capacities`) once and never grows (PyramidKV: a budget per layer); a full
+cache holds every token of the context (a static export without a press holds the bucket of the context, at most
+its ``capacity``: :func:`kvexport.cache.plan.bucket_slots`, the plan's rule 7).
 
 Memory as held (:meth:`CacheShape.resident_bytes_at`): every buffer a sequence keeps, not only K/V —
 positions (int64 per slot and cache head; one row per token for a growing past), the press's query ring
 (``window`` pre-RoPE queries per layer, ``query_heads x query_dim``, plus one int64 position row), a static
 runtime's logits buffer, and for a runtime that ping-pongs its caches (onnxruntime) a second copy of every
-cache buffer. The
-runtimes report what they allocated (``resident_bytes()``); tests hold the two together.
+cache buffer. The runtimes report what they allocated (:func:`measure` of their buffers); tests hold the two
+together.
 """
 
 from __future__ import annotations
@@ -25,8 +38,54 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvexport.cache.formats import SCALE_BYTES
-from kvexport.cache.plan import bucket_slots
+from kvexport.cache.formats import SCALE_BYTES, element_bytes, kv_format
+from kvexport.cache.plan import bucket_slots, capacities
+
+#: every kind of buffer a runtime holds for its sequences, in report order
+KINDS = ("kv", "scales", "positions", "queries", "query_positions", "step_outputs", "logits", "staging")
+
+
+def kind_of(name: str) -> str:
+    """A buffer's graph name -> its kind (:data:`KINDS`)."""
+    if "_new_" in name:  # k_new_ v_new_ ks_new_ vs_new_ q_new_ kf_new_ vf_new_
+        return "step_outputs"
+    if name == "logits":
+        return "logits"
+    if name.startswith(("k_", "v_")):
+        return "kv"
+    if name.startswith(("ks_", "vs_")):
+        return "scales"
+    if name.startswith("pos_"):
+        return "positions"
+    if name.startswith("qbuf_"):
+        return "queries"
+    if name == "qpos":
+        return "query_positions"
+    raise ValueError(f"{name!r} is not a cache buffer name")
+
+
+def nbytes(buf) -> int:
+    """Bytes of a buffer (a NumPy array, a torch tensor, an onnxruntime OrtValue); 0 for None."""
+    if buf is None:
+        return 0
+    if hasattr(buf, "element_size"):
+        return int(buf.numel() * buf.element_size())
+    if hasattr(buf, "nbytes"):
+        return int(buf.nbytes)
+    return int(buf.numpy().nbytes)
+
+
+def measure(buffers, staging=()) -> dict[str, int]:
+    """What a runtime holds, measured from its own allocations: ``buffers`` (name -> buffer, or (name, buffer)
+    pairs: one name may come back, e.g. per slot) by :func:`kind_of`, plus ``staging`` buffers; -> bytes by kind
+    (every kind of :data:`KINDS`) and ``total``."""
+    out = dict.fromkeys(KINDS, 0)
+    items = buffers.items() if hasattr(buffers, "items") else buffers
+    for name, buf in items:
+        out[kind_of(name)] += nbytes(buf)
+    out["staging"] += sum(nbytes(b) for b in staging)
+    out["total"] = sum(out.values())
+    return out
 
 
 @dataclass(frozen=True)
@@ -57,8 +116,6 @@ class CacheShape:
 
     @property
     def kv_format(self):
-        from kvexport.cache.formats import kv_format
-
         return kv_format(self.kv_dtype, {4: "fp32", 2: "fp16"}[self.dtype_bytes])
 
     def scaled_tensors(self) -> int:
@@ -88,9 +145,9 @@ class CacheShape:
     def layer_slots(self, context: int) -> list[int]:
         """Slots allocated per layer for a sequence of ``context`` tokens."""
         if self.layer_budgets is not None:
-            return [int(b) + int(self.window) for b in self.layer_budgets]
+            return list(capacities(self.layer_budgets, self.window))
         if self.budget is not None:
-            return [int(self.budget) + int(self.window)] * self.num_layers
+            return list(capacities([self.budget] * self.num_layers, self.window))
         if self.capacity:  # a static full cache: the bucket of the context (kvexport.cache.plan rule 7)
             return [bucket_slots(context, self.capacity)] * self.num_layers
         return [int(context)] * self.num_layers
@@ -168,7 +225,7 @@ class CacheShape:
         static = settings["mode"] == "static"
         return cls(int(settings["num_layers"]), int(spec["num_kv_heads"]), int(spec["head_dim"]), ranks,
                    int(mla["rope_dim"]) if mla else 0, budget=int(max(budgets)) if budgets else None,
-                   window=int(settings["window"] or 0), dtype_bytes={"fp32": 4, "fp16": 2, "bf16": 2}[settings["dtype"]],
+                   window=int(settings["window"] or 0), dtype_bytes=element_bytes(settings["dtype"]),
                    capacity=int(min(settings["capacities"])) if static and not budgets else None,
                    query_heads=int(spec["num_heads"]), query_dim=None if ranks else int(spec["head_dim"]),
                    vocab_size=int(settings["vocab_size"]),
@@ -215,4 +272,4 @@ def cache_table(shape: CacheShape, contexts: list[int], batch: int = 1) -> dict[
     }
 
 
-__all__ = ["CacheShape", "full_cache_of", "cache_table"]
+__all__ = ["CacheShape", "full_cache_of", "cache_table", "KINDS", "kind_of", "nbytes", "measure"]

@@ -29,6 +29,8 @@ BASELINE_DIR = "baseline"
 ENGINE_DIR = "engine"
 MLA_DIR = "mla"
 PARITY_JSON = "parity.json"
+#: --choose's search: what was tried, its numbers, what was chosen (kvexport.convert.choose)
+CHOICE_JSON = "choice.json"
 #: the profile of a conversion before profiles were kept per backend (read as onnxruntime's)
 PROFILE_JSON = "profile.json"
 MANIFEST = "manifest.json"
@@ -76,7 +78,7 @@ def read_manifest(export_dir: str | Path) -> dict[str, Any] | None:
 
 CONVERSION_KIND = "kvexport-conversion"
 #: top-level files a conversion lists in DIR/manifest.json (the writers update their own entries)
-OUTPUT_FILES = (CONVERT_JSON, PARITY_JSON, PROFILE_JSON, "report.html", "report.md", "report.json")
+OUTPUT_FILES = (CONVERT_JSON, PARITY_JSON, CHOICE_JSON, PROFILE_JSON, "report.html", "report.md", "report.json")
 #: sub-directories with their own manifest.json, verified by the readers (report, profile)
 VERIFIED_SUBDIRS = (ONNX_DIR, BASELINE_DIR, ENGINE_DIR)
 
@@ -88,7 +90,7 @@ def is_conversion(d: str | Path) -> bool:
 def record_outputs(d: str | Path) -> Path:
     """Write DIR/manifest.json listing the sha256 of the conversion's top-level outputs present now."""
     from kvexport.atomic import atomic_write_bytes
-    from kvexport.export.manifest import _version, sha256_file
+    from kvexport.manifest import _version, sha256_file
 
     d = Path(d)
     names = [n for n in OUTPUT_FILES if (d / n).is_file()]
@@ -127,7 +129,7 @@ def verify_conversion(d: str | Path, rewrites: tuple[str, ...] = ()) -> None:
     """BadArtifact naming the first missing or altered file: the top-level outputs listed in DIR/manifest.json,
     then every sub-directory's own manifest (onnx/, baseline/, engine/). ``rewrites``: outputs the caller is
     about to write again (names, or folder prefixes ending in "/"), not checked."""
-    from kvexport.export.manifest import sha256_file, verify_manifest
+    from kvexport.manifest import sha256_file, verify_manifest
 
     d = Path(d)
     top = read_manifest(d)
@@ -155,5 +157,5 @@ def export_dir_of(d: str | Path) -> Path:
 
 __all__ = ["CONVERT_JSON", "ONNX_DIR", "BASELINE_DIR", "ENGINE_DIR", "MLA_DIR", "PARITY_JSON", "PROFILE_JSON",
            "profile_name", "profile_files", "write_parity",
-           "MANIFEST", "CONVERSION_KIND", "OUTPUT_FILES", "read_convert_json", "is_conversion", "record_outputs",
+           "MANIFEST", "CONVERSION_KIND", "OUTPUT_FILES", "CHOICE_JSON", "read_convert_json", "is_conversion", "record_outputs",
            "verify_conversion", "has_outputs_manifest", "REPORT_OUTPUTS", "read_manifest", "export_dir_of"]

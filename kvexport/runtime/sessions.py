@@ -1,0 +1,226 @@
+# SPDX-License-Identifier: Apache-2.0
+"""An export directory's graphs as onnxruntime sessions, and how a graph is called on them (:class:`OrtSessions`):
+the onnxruntime backend of the one host (:class:`~kvexport.runtime.host.GraphHost`) and of the growing-past
+baseline (:class:`~kvexport.runtime.growing.GrowingPast`).
+
+Buffers are bound with IO binding: a NumPy array the session reads without a copy on the CPU, a torch tensor on a
+GPU. A call whose buffers never change (the decode step) binds them once, and only its host inputs are copied per
+call, so a step costs the run, not the binding. Weights: one copy in memory for all graphs, and that copy the
+weights file's pages (:meth:`OrtSessions._share_initializers`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from kvexport.errors import BadUsage, MissingBackend
+from kvexport.manifest import ONNX_EXPORT, verify_manifest
+
+#: torch dtypes (by name) -> the NumPy types onnxruntime binds a device buffer as
+NP_OF_TORCH = {"torch.float32": np.float32, "torch.float16": np.float16, "torch.int64": np.int64,
+               "torch.int32": np.int32, "torch.bool": np.bool_, "torch.uint8": np.uint8}
+
+
+def import_onnxruntime():
+    try:
+        import onnxruntime as ort
+    except ImportError:  # pragma: no cover - onnxruntime is a dependency
+        raise MissingBackend("onnxruntime is not installed; pip install onnxruntime") from None
+    return ort
+
+
+class OrtSessions:
+    """The graphs of an export directory (verified against its manifest) as onnxruntime sessions.
+
+    ``providers`` default to CUDA when onnxruntime offers it, else CPU; ``threads``: intra-op threads;
+    ``share_weights``: one memory-mapped copy of the weights for every session (CPU); ``inplace``: run decode through
+    ``decode_inplace.ort.onnx`` when the export has it (default on the CPU; False: decode.onnx, the graph TensorRT runs
+    too; True: refused where it cannot run). ``manifest``: the directory's, verified already."""
+
+    backend = "onnxruntime"
+
+    def __init__(self, path: str | Path, providers: list[str] | None = None, threads: int | None = None,
+                 share_weights: bool = True, inplace: bool | None = None, manifest: dict | None = None):
+        ort = import_onnxruntime()
+        self.path = Path(path)
+        self.manifest = manifest if manifest is not None else verify_manifest(self.path, ONNX_EXPORT)
+        self.settings = s = self.manifest["settings"]
+        if providers is None:
+            avail = ort.get_available_providers()
+            providers = ["CUDAExecutionProvider"] if "CUDAExecutionProvider" in avail else []
+            providers.append("CPUExecutionProvider")
+        self.providers = providers
+        self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
+        self._ort = ort
+        self._threads = threads
+        files = {name: g for name, g in s["graphs"].items() if isinstance(g, dict) and "file" in g}
+        # the in-place decode graph (onnxruntime's GroupQueryAttention on the CPU), when the export has one
+        has = "decode_inplace" in files
+        if inplace and (not has or self.device != "cpu"):
+            raise BadUsage(f"{self.path} has no in-place decode graph for this device (export it with "
+                           "--inplace-decode; it runs on onnxruntime's CPU provider)")
+        self.inplace = has and self.device == "cpu" and inplace is not False
+        if has and not self.inplace:
+            del files["decode_inplace"]
+        if (s.get("kv_dtype") or s["dtype"]) == "bf16" and s["mode"] == "static":
+            raise MissingBackend(f"{self.path} stores its cache in bf16, which onnxruntime's Python API cannot bind "
+                                 "(NumPy has no bfloat16); run it with --backend tensorrt, or export with --kv-dtype "
+                                 "fp16 / int8")
+        opts = {name: self._options() for name in files}
+        self._shared: dict = {}  # (file, offset, length, type, dims) -> (memory-mapped array, OrtValue over it)
+        self._maps: dict = {}  # weights file -> its read-only np.memmap; alive as long as the sessions
+        if share_weights and self.device == "cpu" and files:  # one graph too: file pages, not a copy
+            opts = self._share_initializers(files)
+        self.sessions = {name: ort.InferenceSession(str(self.path / g["file"]), opts[name], providers=providers)
+                         for name, g in files.items()}
+        self._ovs: dict = {}  # id(buffer) -> (buffer, its OrtValue): made once per buffer this runtime owns
+        self._persistent: dict = {}  # graph -> (IO binding, host input arrays): bound once
+
+    def _options(self):
+        so = self._ort.SessionOptions()
+        so.log_severity_level = 3
+        if self._threads:
+            so.intra_op_num_threads = int(self._threads)
+        return so
+
+    def close(self) -> None:
+        """Drop the sessions, then the shared initializers and the weights file's maps (in that order: the
+        sessions read the maps' pages). Not usable afterwards; without a call, garbage collection does the same."""
+        self.sessions = {}
+        self._persistent.clear()
+        self._ovs.clear()
+        self._shared.clear()
+        for m in self._maps.values():
+            m._mmap.close()  # type: ignore[attr-defined]
+        self._maps.clear()
+
+    def _share_initializers(self, graphs: dict) -> dict:
+        """One copy in memory of every weight for all graphs of the export (CPU), and that copy the file's.
+
+        The graphs share one weights file on disk (each tensor once, by offset; kvexport.export.exporter); loaded
+        as they are, onnxruntime would still keep one copy per session. The weights file is memory-mapped read-only
+        once (``np.memmap``); each stored tensor is a view of that map, wrapped in an OrtValue without a copy, and
+        handed to every session that uses it with ``SessionOptions.add_initializer`` (onnxruntime uses a user
+        initializer's buffer as it is), so the weights are file-backed pages the kernel can drop, not anonymous
+        memory. Weight prepacking is disabled for those sessions, since it would make a packed copy per session
+        again."""
+        import onnx
+
+        np_types = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
+                    onnx.TensorProto.INT64: np.int64, onnx.TensorProto.INT32: np.int32,
+                    onnx.TensorProto.BOOL: np.bool_, onnx.TensorProto.DOUBLE: np.float64}
+        opts = {}
+        for name, g in graphs.items():
+            so = self._options()
+            if g.get("external_data"):
+                so.add_session_config_entry("session.disable_prepacking", "1")
+                model = onnx.load(str(self.path / g["file"]), load_external_data=False)
+                for t in model.graph.initializer:
+                    if t.data_location != onnx.TensorProto.EXTERNAL or t.data_type not in np_types:
+                        continue
+                    info = {e.key: e.value for e in t.external_data}
+                    key = (info["location"], int(info.get("offset", 0)), int(info["length"]), t.data_type, tuple(t.dims))
+                    if key not in self._shared:
+                        loc = info["location"]
+                        if loc not in self._maps:  # the whole file, read-only: its pages belong to the page cache
+                            self._maps[loc] = np.memmap(self.path / loc, dtype=np.uint8, mode="r")
+                        off = int(info.get("offset", 0))
+                        raw = self._maps[loc][off : off + int(info["length"])]
+                        arr = raw.view(np_types[t.data_type]).reshape(list(t.dims))
+                        self._shared[key] = (arr, self._ort.OrtValue.ortvalue_from_numpy(arr))
+                    so.add_initializer(t.name, self._shared[key][1])
+            opts[name] = so
+        return opts
+
+    # ------------------------------------------------------------------ buffers
+    def array(self, shape, dtype, fill=0):
+        """A buffer the host writes with NumPy-style slicing: a NumPy array on the CPU (shared with onnxruntime
+        without a copy), a torch tensor on a GPU."""
+        if self.device == "cpu":
+            return np.full(shape, fill, dtype)
+        import torch
+
+        return torch.from_numpy(np.full(shape, fill, dtype)).to(self.device)
+
+    def to_device(self, x):
+        """A host value in the buffers' kind (for writes into them)."""
+        if self.device == "cpu" or not isinstance(x, np.ndarray):
+            return x
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(x)).to(self.device)
+
+    def forget(self, buffers, unbind: bool = False) -> None:
+        """Drop the OrtValues made for ``buffers`` (about to be freed or replaced); ``unbind``: the persistent
+        bindings too (they may hold them)."""
+        for b in buffers:
+            self._ovs.pop(id(b), None)
+        if unbind:
+            self._persistent.clear()
+
+    def bound(self, graph: str) -> bool:
+        return graph in self._persistent
+
+    def _bind(self, io, name: str, arr, output: bool) -> None:
+        if isinstance(arr, np.ndarray):
+            if arr.base is not None:  # a view (e.g. one row of a bank of slots): wrapped for this call only
+                ov = (arr, self._ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr)))
+                if ov[1].data_ptr() != arr.ctypes.data:
+                    raise BadUsage(f"{name}: a buffer view must be contiguous to be bound in place")
+            else:  # a buffer this runtime owns: its OrtValue is made once
+                ov = self._ovs.get(id(arr))
+                if ov is None or ov[0] is not arr:
+                    ov = self._ovs[id(arr)] = (arr, self._ort.OrtValue.ortvalue_from_numpy(arr))
+            (io.bind_ortvalue_output if output else io.bind_ortvalue_input)(name, ov[1])
+        else:  # a torch tensor on the session's device
+            bind = io.bind_output if output else io.bind_input
+            bind(name, arr.device.type, arr.device.index or 0, NP_OF_TORCH[str(arr.dtype)], tuple(arr.shape),
+                 arr.data_ptr())
+
+    def call(self, graph: str, feeds: dict, arrays: dict, outputs: dict, persistent: bool = False) -> dict:
+        """Run ``graph``: host ``feeds``, input ``arrays`` (buffers, by name) and output buffers ``outputs`` (by name;
+        outputs not given are allocated by onnxruntime and returned in the buffers' kind). ``persistent``: the arrays
+        and outputs are the same on every call (the decode step), so they are bound once and the host inputs are
+        copied into preallocated arrays."""
+        sess = self.sessions[graph]
+        names = self.settings["graphs"][graph]["outputs"]
+        if persistent and self.device == "cpu":
+            bound = self._persistent.get(graph)
+            if bound is None:
+                io = sess.io_binding()
+                host = {n: np.ascontiguousarray(x).copy() for n, x in feeds.items()}
+                for name, x in host.items():
+                    self._bind(io, name, x, output=False)
+                for name, arr in arrays.items():
+                    self._bind(io, name, arr, output=False)
+                for name in names:
+                    self._bind(io, name, outputs[name], output=True)
+                bound = self._persistent[graph] = (io, host)
+            io, host = bound
+            for name, x in feeds.items():
+                host[name][...] = x
+            sess.run_with_iobinding(io)
+            return outputs
+        io = sess.io_binding()
+        for name, x in feeds.items():
+            io.bind_cpu_input(name, np.ascontiguousarray(x))
+        for name, arr in arrays.items():
+            self._bind(io, name, arr, output=False)
+        loose = []
+        for name in names:
+            if name in outputs:
+                self._bind(io, name, outputs[name], output=True)
+            else:
+                io.bind_output(name, self.device)
+                loose.append(name)
+        sess.run_with_iobinding(io)
+        got = dict(outputs)
+        if loose:
+            values = dict(zip(names, io.get_outputs(), strict=True))
+            got.update({n: self.to_device(values[n].numpy()) for n in loose})
+        return got
+
+
+__all__ = ["OrtSessions", "import_onnxruntime", "NP_OF_TORCH"]
