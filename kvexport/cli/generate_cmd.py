@@ -11,8 +11,14 @@ import typer
 
 from kvexport.cache.plan import DEFAULT_WINDOW
 from kvexport.cli.app import app
-from kvexport.cli.common import (LOOKAHEAD_HELP, NEIGHBORS_HELP, PRESS_HELP, cache_summary, encode_prompts,
-                                 read_prompt_file)
+from kvexport.cli.common import (
+    LOOKAHEAD_HELP,
+    NEIGHBORS_HELP,
+    PRESS_HELP,
+    cache_summary,
+    encode_prompts,
+    read_prompt_file,
+)
 from kvexport.models.gguf import resolve_model
 
 DEFAULT_BUDGET = 256

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Weights in int4 and fp16: the block rule (:mod:`~kvexport.quant.blocks`), the post-pass over an export's graphs
 (:mod:`~kvexport.quant.weights`) and the PyTorch reference with the same weights (:mod:`~kvexport.quant.reference`).
-docs/weights.md says what each format is for and what was measured."""
+docs/quantized.md says what each format is for and what was measured."""
 
 from __future__ import annotations
 

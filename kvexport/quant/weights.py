@@ -161,7 +161,7 @@ def quantize_export(export_dir: str | os.PathLike, weights: str = "int4", block_
     """
     import onnx
 
-    from kvexport.export.manifest import ONNX_EXPORT, atomic_output, verify_manifest, write_manifest
+    from kvexport.manifest import ONNX_EXPORT, atomic_output, verify_manifest, write_manifest
 
     if weights not in FORMATS:
         raise BadUsage(f"--weights {weights!r} unknown; accepted: {', '.join(FORMATS)}")
@@ -540,9 +540,9 @@ def _step_bytes(m) -> int:
 def _save(models: dict, graphs: dict, tmp: Path) -> None:
     import onnx
 
-    from kvexport.export import ops
+    from kvexport.ops.registry import register_schemas
 
-    ops.register_schemas()
+    register_schemas()
     for name, m in models.items():
         path = tmp / graphs[name]["file"]
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -72,7 +72,7 @@ def test_the_tail_changes_what_is_kept(export_dir):
     own, tail = torch_generate(dec, ids, None, **kw), torch_generate(dec, ids, None, lookahead=LOOKAHEAD, **kw)
     got = generate(OrtGenerator(export_dir), ids.numpy(), None, 1, track_kept=True)
     differ = [not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(own.kept_positions[-1],
-                                                                               tail.kept_positions[-1])]
+                                                                               tail.kept_positions[-1], strict=True)]
     assert any(differ)
     for a, b in zip(got.kept_positions[-1], tail.kept_positions[-1], strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -22,8 +22,8 @@ from onnx import TensorProto, helper
 
 from kvexport.errors import BadArtifact, BadUsage
 from kvexport.export import OrtGenerator, export_model, verify_manifest
-from kvexport.export.exporter import press_from_dict
-from kvexport.export.validation import load_reference_model, reference_generate
+from kvexport.export.reference import load_reference_model, reference_generate
+from kvexport.export.source import press_from_dict
 from kvexport.paths import DEFAULT_MODEL
 from kvexport.presses import make_press
 from kvexport.quant import quantize_export, quantized_decoder
@@ -55,7 +55,7 @@ def _logits(d, prompts, model=None):
     s = man["settings"]
     dec0 = load_reference_model(man, model, root=d)
     dec = quantized_decoder(dec0, s["weights"]) if s.get("weights") else dec0
-    gen = OrtGenerator(d, share_weights=False, threads=1)  # sessions that prepack MatMulNBits (see docs/weights.md)
+    gen = OrtGenerator(d, share_weights=False, threads=1)  # sessions that prepack MatMulNBits (see docs/quantized.md)
     press = press_from_dict(s["press"])
     got, ref, orig = [], [], []
     for ids in prompts:
@@ -188,7 +188,7 @@ def test_manifest_entry_and_graphs(student):
 def test_int4_qdq_is_tensorrt_parseable(student):
     """Structural: the parser's support matrix of TensorRT 11.1 (opset <= 24) has every node and type; TensorRT
     10.3's matrix differs only in the opset (21 is needed for INT4 DequantizeLinear); the DequantizeLinear rules
-    of onnx-tensorrt's importer hold (docs/weights.md)."""
+    of onnx-tensorrt's importer hold (docs/quantized.md)."""
     for g in ("prefill", "decode", "compact", "compact_prefill"):
         path = student["int4-qdq"] / f"{g}.onnx"
         assert check_model(path, ("11.1",)).ok, check_model(path, ("11.1",)).problems
