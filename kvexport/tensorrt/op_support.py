@@ -324,19 +324,27 @@ def _check_rules(node, entry: OpEntry, g: _Graph, attrs: dict) -> list[str]:
     return bad
 
 
+#: Q/DQ tensors whose type is not the matrix's list (which names the quantized side, DQ's input / Q's zero point, or
+#: Q's float input): (input, output) positions -> the types they take (onnx-tensorrt QuantDequantLinearHelper)
+_QDQ_SIDES = {"DequantizeLinear": {("input", 1): _FLOATS, ("output", 0): _FLOATS},
+              "QuantizeLinear": {("output", 0): ("i8", "i4", "fp8", "fp4"), ("input", 2): ("i8", "i4", "fp8", "fp4")}}
+
+
 def _check_types(node, entry: OpEntry, g: _Graph, untyped: list[str]) -> list[str]:
     bad = []
     skip_in = _INDEX_INPUTS.get(node.op_type, ())
     skip_out = _INDEX_OUTPUTS.get(node.op_type, ())
+    sides = _QDQ_SIDES.get(node.op_type, {})
     for kind, names, skip in (("input", node.input, skip_in), ("output", node.output, skip_out)):
         for i, name in enumerate(names):
             if not name or i in skip:
                 continue
             t = g.type(name)
+            allowed = sides.get((kind, i), entry.types)
             if t is None:
                 untyped.append(name)
-            elif t not in entry.types:
-                bad.append(f"{kind} {i} ({name}) is {t}; TensorRT takes {', '.join(sorted(entry.types))}")
+            elif t not in allowed:
+                bad.append(f"{kind} {i} ({name}) is {t}; TensorRT takes {', '.join(sorted(allowed))}")
     return bad
 
 
@@ -419,12 +427,17 @@ def _check_plugin(node, g: _Graph) -> list[str]:
     return bad
 
 
-def _check_graph(graph, m: Matrix, label: str, report: OpSupportReport, outer: _Graph | None = None) -> None:
+def _check_graph(graph, m: Matrix, label: str, report: OpSupportReport, outer: _Graph | None = None,
+                 weights: frozenset[str] = frozenset()) -> None:
+    """``weights``: names of the external initializers :func:`_prepared` turned into typed inputs (not network I/O:
+    the parser reads them as constants, INT4 weights included)."""
     from onnx import AttributeProto
 
     g = _Graph(graph, outer)
     if outer is None:
         for vi in [*graph.input, *graph.output]:
+            if vi.name in weights:
+                continue
             t = g.type(vi.name)
             if t is not None and t not in _IO_TYPES:
                 report.problems.append(Problem(label, vi.name, "graph I/O", m.version,
@@ -492,6 +505,7 @@ def check_model(model_or_path, versions: tuple[str, ...] | None = None, name: st
         label, model = name or (model_or_path.graph.name or "model"), model_or_path
     versions = tuple(versions or MATRICES)
     report = OpSupportReport(label, versions)
+    weights = frozenset(t.name for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
     model = _prepared(model)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     for v in versions:
@@ -500,7 +514,7 @@ def check_model(model_or_path, versions: tuple[str, ...] | None = None, name: st
             report.problems.append(Problem(label, "(model)", "opset", v,
                                            f"default-domain opset {opset} outside [{m.opset[0]}, {m.opset[1]}]"))
         nodes, plugins, untyped = report.nodes, dict(report.plugin_nodes), list(report.untyped)
-        _check_graph(model.graph, m, label, report)
+        _check_graph(model.graph, m, label, report, weights=weights)
         if v != versions[0]:  # count the graph once
             report.nodes, report.plugin_nodes, report.untyped = nodes, plugins, untyped
     return report

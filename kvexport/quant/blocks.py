@@ -1,0 +1,179 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Block quantization of one weight matrix: the one rule that the ONNX post-pass (:mod:`kvexport.quant.weights`)
+and the PyTorch reference (:mod:`kvexport.quant.reference`) both call, so the numbers an export dequantizes are the
+numbers the reference uses.
+
+A weight is taken as ONNX MatMul reads it, ``w`` (K, N) float32 (``y = x @ w``; a ``nn.Linear`` weight transposed),
+and quantized in blocks of ``block_size`` consecutive rows of one column (along K, the input features)::
+
+    w[k, n] ~ (codes[n, k] - zero_points[n, k // B]) * scales[n, k // B]        codes, zero points in 0 ... 15
+
+- **asymmetric** (default; the Q4_1 / onnxruntime ``MatMulNBits`` uint4 scheme): onnxruntime's own block quantizer
+  (``quantize_matmul_4bits``, through :class:`onnxruntime.quantization.matmul_nbits_quantizer.
+  DefaultWeightOnlyQuantizer`), ``scale = (max - min) / 15`` with a zero point in 0 ... 15 per block.
+- **symmetric** (the TensorRT scheme: its DequantizeLinear takes INT4 with a zero point of 0 and strictly positive
+  scales, onnx-tensorrt ``QuantDequantLinearHelper``): ``scale = absmax / 7``, ``q = clip(rint(w / scale), -8, 7)``,
+  stored as ``codes = q + 8`` with zero point 8. onnxruntime's symmetric quantizer is not used here: it maps the
+  block's extreme to -8 with a *negative* scale where that extreme is positive, which TensorRT's parser refuses.
+
+Dequantization is ``(codes - zero_point) * scale`` in float32 (:meth:`Int4Blocks.dequantize`); the difference of two
+small integers is exact, so the only rounding is the product's, the same in NumPy, PyTorch and onnxruntime's
+kernels (tests/quant check the kernels against it bit for bit). An all-zero block gets scale 1 (its codes equal
+its zero point, so it still dequantizes to 0): TensorRT refuses a zero scale.
+
+fp16 storage is the other format: ``float16(w)``, read back exactly as float32 (:func:`fp16_round`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+BITS = 4
+DEFAULT_BLOCK = 32
+
+
+def check_block_size(block_size: int) -> int:
+    """MatMulNBits / GatherBlockQuantized: a power of two, at least 16."""
+    from kvexport.errors import BadUsage
+
+    b = int(block_size)
+    if b < 16 or b & (b - 1):
+        raise BadUsage(f"--block-size {block_size} must be a power of two of at least 16 (16, 32, 64, 128, ...)")
+    return b
+
+
+@dataclass(frozen=True)
+class Int4Blocks:
+    """One (K, N) weight in 4-bit blocks along K.
+
+    codes: (N, K) uint8 in 0 ... 15; scales: (N, k_blocks) float32 > 0; zero_points: (N, k_blocks) uint8 in
+    0 ... 15 (8 everywhere when ``symmetric``); k_blocks = ceil(K / block_size).
+    """
+
+    codes: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray
+    block_size: int
+    symmetric: bool
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(K, N), as MatMul reads the weight."""
+        n, k = self.codes.shape
+        return k, n
+
+    @property
+    def k_blocks(self) -> int:
+        return self.scales.shape[1]
+
+    def _padded_codes(self) -> np.ndarray:
+        """(N, k_blocks * B) codes, the tail of the last block filled with the zero point (it dequantizes to 0)."""
+        n, k = self.codes.shape
+        pad = self.k_blocks * self.block_size - k
+        if not pad:
+            return self.codes
+        fill = np.repeat(self.zero_points[:, -1:], pad, axis=1)
+        return np.concatenate([self.codes, fill], axis=1)
+
+    def dequantize(self) -> np.ndarray:
+        """(K, N) float32: ``(codes - zero_point) * scale`` per block."""
+        k, n = self.shape
+        c = self._padded_codes().reshape(n, self.k_blocks, self.block_size).astype(np.float32)
+        w = (c - self.zero_points[:, :, None].astype(np.float32)) * self.scales[:, :, None]
+        return np.ascontiguousarray(w.reshape(n, -1)[:, :k].T)
+
+    # ------------------------------------------------------------------ storage layouts
+    def matmulnbits(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """onnxruntime ``com.microsoft::MatMulNBits`` inputs B, scales, zero_points: B (N, k_blocks, B / 2) uint8 (two
+        codes a byte, the first in the low nibble), scales (N, k_blocks) float32, zero points packed the same way
+        (N, ceil(k_blocks / 2)) uint8, or None when symmetric (the op's default zero point is 8)."""
+        n = self.codes.shape[0]
+        b = _pack_pairs(self._padded_codes()).reshape(n, self.k_blocks, self.block_size // 2)
+        zp = None if self.symmetric else _pack_pairs(self.zero_points)
+        return b, self.scales, zp
+
+    def int4_dq(self) -> tuple[bytes, np.ndarray]:
+        """ONNX ``DequantizeLinear`` (opset 21, blocked along axis 0) inputs for a symmetric weight: the INT4 tensor
+        (K, N) as raw bytes (row-major, two values a byte, low nibble first), scales (k_blocks, N) float32; no zero
+        point (0)."""
+        if not self.symmetric:
+            raise ValueError("a DequantizeLinear over INT4 takes symmetric blocks (zero point 0)")
+        q = (self.codes.astype(np.int16) - 8).T  # (K, N) in -8 ... 7
+        return _pack_pairs((q & 0xF).astype(np.uint8).reshape(-1)).tobytes(), np.ascontiguousarray(self.scales.T)
+
+
+def _pack_pairs(v: np.ndarray) -> np.ndarray:
+    """Pack 4-bit values along the last axis, two a byte, the first in the low nibble (odd length: a zero nibble)."""
+    if v.shape[-1] % 2:
+        v = np.concatenate([v, np.zeros((*v.shape[:-1], 1), v.dtype)], axis=-1)
+    return (v[..., 0::2] | (v[..., 1::2] << 4)).astype(np.uint8)
+
+
+def _unpack_pairs(p: np.ndarray, n: int) -> np.ndarray:
+    """Inverse of :func:`_pack_pairs`: the first n 4-bit values along the last axis."""
+    return np.stack([p & 0xF, p >> 4], axis=-1).reshape(*p.shape[:-1], -1)[..., :n]
+
+
+def quantize_int4(w: np.ndarray, block_size: int = DEFAULT_BLOCK, symmetric: bool = False) -> Int4Blocks:
+    """w (K, N) float32 -> its 4-bit blocks (see the module docstring for both schemes)."""
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"block quantization takes a 2-D weight, got shape {w.shape}")
+    block_size = check_block_size(block_size)
+    k, n = w.shape
+    kb = -(-k // block_size)
+    if symmetric:
+        padded = np.zeros((kb * block_size, n), np.float32)
+        padded[:k] = w
+        blocks = padded.T.reshape(n, kb, block_size)
+        scales = np.ascontiguousarray(np.abs(blocks).max(axis=2) / np.float32(7), dtype=np.float32)
+        safe = np.where(scales > 0, scales, np.float32(1))
+        q = np.clip(np.rint(blocks / safe[:, :, None]), -8, 7).astype(np.int16)
+        codes = (q + 8).astype(np.uint8).reshape(n, -1)[:, :k]
+        zps = np.full((n, kb), 8, np.uint8)
+        return _positive(Int4Blocks(np.ascontiguousarray(codes), scales, zps, block_size, True))
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        DefaultWeightOnlyQuantizer,
+    )
+    from onnxruntime.quantization.quant_utils import QuantFormat
+
+    cfg = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=False, quant_format=QuantFormat.QOperator)
+    packed, scales, zp = DefaultWeightOnlyQuantizer(cfg).qbits_block_quant(w)  # (N, kb, B/2), (N, kb), (N, ceil(kb/2))
+    codes = _unpack_pairs(packed.reshape(n, -1), k)
+    zps = _unpack_pairs(zp, kb)
+    return _positive(Int4Blocks(np.ascontiguousarray(codes), np.ascontiguousarray(scales, np.float32),
+                                np.ascontiguousarray(zps), block_size, False))
+
+
+def _positive(b: Int4Blocks) -> Int4Blocks:
+    """Scale 1 for the all-zero blocks (scale 0): their codes all equal the zero point, so they still read as 0."""
+    zero = b.scales <= 0
+    if not zero.any():
+        return b
+    c = b._padded_codes().reshape(b.codes.shape[0], b.k_blocks, b.block_size)
+    if not np.all(c[zero] == b.zero_points[zero][:, None]):
+        raise ValueError("a block with scale 0 holds codes other than its zero point")
+    scales = np.where(zero, np.float32(1), b.scales).astype(np.float32)
+    return Int4Blocks(b.codes, scales, b.zero_points, b.block_size, b.symmetric)
+
+
+def to_fp16(w: np.ndarray) -> np.ndarray:
+    """fp16 storage of a float32 weight: round to nearest even; a finite value beyond float16's range (65520 and
+    up round to inf) raises BadModel rather than turning into inf."""
+    from kvexport.errors import BadModel
+
+    w = np.asarray(w, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        h = w.astype(np.float16)
+    if np.isinf(h).any() and not np.array_equal(np.isinf(h), np.isinf(w)):
+        raise BadModel(f"a weight of magnitude {float(np.abs(w[np.isfinite(w)]).max()):.6g} does not fit float16 "
+                       "(largest 65504); keep this model's weights fp32 or int4")
+    return h
+
+
+def fp16_round(w: np.ndarray) -> np.ndarray:
+    """The values fp16 storage keeps, read back as float32 (exact)."""
+    return to_fp16(w).astype(np.float32)
