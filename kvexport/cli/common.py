@@ -62,3 +62,12 @@ def cache_summary(resident: dict[str, int]) -> str:
 NEIGHBORS_HELP = "A kept token keeps this many neighbours on each side (ScorerPress.neighbors; 0: the press's own ranking)."
 LOOKAHEAD_HELP = ("The prompt's last L tokens observe every earlier prefill chunk (kvexport.cache.plan rule 3b; 0: each "
                   "chunk observes itself). A press that observes, with --chunk.")
+
+
+def print_completions(console, prompts: list[str], texts: list[str]) -> None:
+    """One line per prompt, ``'prompt' -> 'completion'`` (Python reprs), never wrapped (a pipe or a file gets the
+    line whole, whatever its length) and never read as markup (a completion may hold ``[i]`` or ``[/]``)."""
+    from rich.markup import escape
+
+    for p, text in zip(prompts, texts, strict=True):
+        console.print(f"[bold]{escape(repr(p[:60]))}[/] -> {escape(repr(text))}", highlight=False, soft_wrap=True)

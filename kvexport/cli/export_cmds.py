@@ -207,8 +207,7 @@ def generate_from_export(directory: Path, prompts: list[str], max_new_tokens: in
 
     from rich.console import Console
 
-    from kvexport.cli.common import cache_summary, encode_prompts
-    from kvexport.cli.generate_cmd import print_completions
+    from kvexport.cli.common import cache_summary, encode_prompts, print_completions
     from kvexport.errors import BadUsage
     from kvexport.models.loading import load_tokenizer
 

@@ -17,6 +17,7 @@ from kvexport.cli.common import (
     PRESS_HELP,
     cache_summary,
     encode_prompts,
+    print_completions,
     read_prompt_file,
 )
 from kvexport.models.gguf import resolve_model
@@ -96,12 +97,3 @@ def generate_cmd(
     console.print(f"[dim]{res.tokens.shape[1]} tokens in {dt:.2f}s; press={press} budget={budget} ratio={ratio} "
                   f"window={window}; {cache_summary(res.resident_bytes)}, fixed; {res.compactions} compactions[/]",
                   soft_wrap=True)
-
-
-def print_completions(console, prompts: list[str], texts: list[str]) -> None:
-    """One line per prompt, ``'prompt' -> 'completion'`` (Python reprs), never wrapped (a pipe or a file gets the
-    line whole, whatever its length) and never read as markup (a completion may hold ``[i]`` or ``[/]``)."""
-    from rich.markup import escape
-
-    for p, text in zip(prompts, texts, strict=True):
-        console.print(f"[bold]{escape(repr(p[:60]))}[/] -> {escape(repr(text))}", highlight=False, soft_wrap=True)
