@@ -61,6 +61,13 @@ class Rows:
         return self.step_out["logits"]
 
 
+def refuse_tail(tail) -> None:
+    """The graphs take no lookahead tail (plan rule 3b): one is refused in one line."""
+    if tail is not None:
+        raise BadUsage("this export's graphs take no lookahead tail (kvexport.cache.plan rule 3b); the PyTorch "
+                       "path (kvexport.generation.generate(lookahead=...)) observes with one")
+
+
 class GraphHost(Driver):
     """The static caches of an export over ``graphs`` (a backend: ``settings``, ``array``, ``to_device``, ``call``,
     ``bound``, ``forget``, ``close``), one batch of the export's size: a step driver itself. The server's bank of
@@ -288,13 +295,9 @@ class GraphHost(Driver):
                 arr[...] = -1
         rows.state.reset()
 
-    def _prefill_chunk(self, rows: Rows, ids: np.ndarray, pos: np.ndarray, chunk: Chunk,
-                       tail=None) -> tuple[np.ndarray, bool]:
+    def _prefill_chunk(self, rows: Rows, ids: np.ndarray, pos: np.ndarray, chunk: Chunk) -> tuple[np.ndarray, bool]:
         """Rule 3 on one chunk: the prefill graph, then its real columns written at ``fill``, or ``compact_prefill``
-        where a layer overflows its budget. The graphs take no lookahead tail (rule 3b): one is refused."""
-        if tail is not None:
-            raise BadUsage("this export's graphs take no lookahead tail (kvexport.cache.plan rule 3b); the PyTorch "
-                           "path (kvexport.generation.generate(lookahead=...)) observes with one")
+        where a layer overflows its budget."""
         step = rows.state.prefill(chunk.n_real)
         new = self.graphs.call("prefill", self._feeds("prefill", input_ids=ids, positions=pos),
                                self._inputs(rows, "prefill"), {**rows.staging, "logits": rows.logits})
@@ -354,7 +357,8 @@ class GraphHost(Driver):
         self._start(self.rows, mask, new_tokens)
 
     def prefill_chunk(self, ids, positions, chunk: Chunk, tail=None):
-        return self._prefill_chunk(self.rows, ids, positions, chunk, tail)
+        refuse_tail(tail)
+        return self._prefill_chunk(self.rows, ids, positions, chunk)
 
     def decode(self, tokens, positions):
         return self._decode(self.rows, tokens, positions)
@@ -424,4 +428,4 @@ class GraphHost(Driver):
         self.graphs.close()
 
 
-__all__ = ["GraphHost", "Rows", "NP_DTYPES", "FEEDS"]
+__all__ = ["GraphHost", "Rows", "NP_DTYPES", "FEEDS", "refuse_tail"]

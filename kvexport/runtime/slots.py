@@ -14,7 +14,7 @@ import numpy as np
 from kvexport.cache.memory import measure
 from kvexport.cache.plan import CachePlan, CacheState
 from kvexport.errors import BadArtifact
-from kvexport.runtime.host import GraphHost, Rows
+from kvexport.runtime.host import GraphHost, Rows, refuse_tail
 from kvexport.runtime.protocol import Driver
 
 
@@ -139,7 +139,8 @@ class SlotDriver(Driver):
         self.host._start(self.rows, mask, new_tokens)
 
     def prefill_chunk(self, ids, positions, chunk, tail=None):
-        return self.host._prefill_chunk(self.rows, ids, positions, chunk, tail)
+        refuse_tail(tail)
+        return self.host._prefill_chunk(self.rows, ids, positions, chunk)
 
     def decode(self, tokens, positions):
         return self.host._decode(self.rows, tokens, positions)
