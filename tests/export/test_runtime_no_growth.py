@@ -30,14 +30,14 @@ def test_prompts_leave_nothing_behind(export_dir):
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, 500, size=(1, 150))  # five chunks, compactions at prefill
     g.generate(prompt, np.ones_like(prompt), 4)
-    n_values = len(g._ovs)
+    n_values = len(g.graphs._ovs)
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     for _ in range(6):
         g.generate(prompt, np.ones_like(prompt), 4)
     grown = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    assert len(g._ovs) == n_values
+    assert len(g.graphs._ovs) == n_values
     # one prompt's staging rows (per layer: k, v and the press's queries for a 32-column chunk), for scale
     per_prompt = sum(int(np.prod((*shape[:2], 32, *shape[3:]))) * np.dtype(dt).itemsize
                      for n, (shape, dt) in g.step_shapes.items() if n in g.settings["graphs"]["prefill"]["outputs"])

@@ -47,15 +47,15 @@ def test_shared_initializers_are_views_of_one_readonly_map(export_dir):
     from kvexport.runtime import open_onnxruntime
 
     g = open_onnxruntime(export_dir, threads=1)
-    assert len(g.sessions) > 1 and g._shared
-    (loc, mm), = g._maps.items()
+    assert len(g.sessions) > 1 and g.graphs._shared
+    (loc, mm), = g.graphs._maps.items()
     assert loc == ex.WEIGHTS_FILE and isinstance(mm, np.memmap) and mm.mode == "r"
     lo = mm.ctypes.data
-    for arr, _ in g._shared.values():
+    for arr, _ in g.graphs._shared.values():
         a = arr.__array_interface__["data"][0]
         assert not arr.flags.writeable and lo <= a and a + arr.nbytes <= lo + mm.size
     g.close()
-    assert not g._maps and not g._shared and not g.sessions
+    assert not g.graphs._maps and not g.graphs._shared and not g.sessions
 
 
 def test_sessions_hold_the_weights_as_file_pages(export_dir):

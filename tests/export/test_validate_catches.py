@@ -30,7 +30,7 @@ def exported(tiny_models, tmp_path_factory):
 class EndPadded(OrtGenerator):
     """The last chunk's padding placed after its real columns, and the compaction told there is none."""
 
-    def _prefill_chunk(self, rows, ids, pos, chunk):
+    def _prefill_chunk(self, rows, ids, pos, chunk, tail=None):  # this export has no lookahead: tail is None
         pad, n = chunk.pad, chunk.n_real
         ids = np.concatenate([ids[:, pad:], ids[:, :pad]], 1)  # the host's front padding moved to the end
         pos = np.concatenate([pos[:, pad:], pos[:, :pad]], 1)
