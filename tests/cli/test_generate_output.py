@@ -21,7 +21,8 @@ def test_piped_completion_is_one_line_as_generated():
 
     from kvexport.cli.generate_cmd import DEFAULT_BUDGET
     from kvexport.generation import generate
-    from kvexport.models.loading import load_decoder, load_tokenizer
+    from kvexport.mla.io import load_decoder
+    from kvexport.models.loading import load_tokenizer
     from kvexport.paths import DEFAULT_MODEL
     from kvexport.presses import make_press
 
