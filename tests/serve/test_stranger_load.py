@@ -41,11 +41,11 @@ def server(export_dir, tmp_path_factory):
 def jobs(export_dir, tokenizer):
     """(prompt, max_tokens, reference tokens) of every prompt the clients send, from the PyTorch path."""
     import torch
-    from kvexport.export.manifest import read_manifest
 
-    from kvexport.export.exporter import press_from_dict
+    from kvexport.export.source import press_from_dict
     from kvexport.generation import generate
-    from kvexport.models.loading import load_decoder
+    from kvexport.manifest import read_manifest
+    from kvexport.mla.io import load_decoder
 
     s = read_manifest(export_dir)["settings"]
     decoder, _ = load_decoder(STUDENT)
