@@ -22,6 +22,18 @@ from kvexport.cache.candidates import select_kept
 
 #: relative score tolerance under which two candidates count as tied, by export dtype
 TIE_RTOL = {"fp32": 1e-5, "fp16": 1e-2, "bf16": 2e-2}
+#: ... and for an export whose int4 weights onnxruntime multiplies with int8 activations (kvexport.quant.weights
+#: ``lossy_arithmetic``): every query, key and score moves by the activations' rounding, a few percent
+TIE_RTOL_LOSSY_WEIGHTS = 3e-2
+
+
+def tie_rtol(settings: dict) -> float:
+    """The relative score tolerance of an export's ties: by its dtype (:data:`TIE_RTOL`), widened for lossy weight
+    arithmetic (:data:`TIE_RTOL_LOSSY_WEIGHTS`)."""
+    from kvexport.quant.weights import lossy_arithmetic
+
+    r = TIE_RTOL.get(settings["dtype"], 1e-5)
+    return max(r, TIE_RTOL_LOSSY_WEIGHTS) if lossy_arithmetic(settings.get("weights")) else r
 
 
 class TieReferee:
