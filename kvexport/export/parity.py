@@ -29,6 +29,12 @@ TOLERANCES = {"fp32": (1e-4, 1e-3, 1.0, 1.0), "fp16": (5e-2, 5e-2, 0.98, 0.95)}
 #: tokens as fp16's, logits within 0.25, kept sets 75 % equal (tests/export/test_quantized_student.py checks the
 #: codes themselves against the PyTorch cache).
 LOSSY_CACHE_TOLERANCES = (2.5e-1, 5e-2, 0.98, 0.75)
+#: ... whose absolute logit tolerance grows with the model's logits: at least this share of the largest |logit| the
+#: reference gives for the prompt. The two runtimes may store a value at a rounding boundary one code apart, and
+#: what that moves grows with the depth and the logits' scale: on the 4-layer student (logits within ±14) the
+#: runtimes differ by < 0.03; on SmolLM2-135M (30 layers, logits to ±33) by up to 0.44 with every greedy token and
+#: kept set equal (2026-12-06).
+LOSSY_CACHE_ATOL_SHARE = 2e-2
 
 
 #: int4 weights that onnxruntime multiplies with int8 activations (MatMulNBits at accuracy level 4, and int4-qdq,
@@ -52,7 +58,8 @@ def tolerance_rule(settings: dict) -> str:
 
     rules = []
     if is_lossy(settings.get("kv_dtype"), settings["dtype"]):
-        rules.append(f"lossy cache ({settings['kv_dtype']} of {settings['dtype']})")
+        rules.append(f"lossy cache ({settings['kv_dtype']} of {settings['dtype']}; atol at least "
+                     f"{LOSSY_CACHE_ATOL_SHARE:.0%} of the prompt's largest |logit|)")
     why = lossy_arithmetic(settings.get("weights"))
     if why:
         rules.append(f"lossy weights arithmetic ({settings['weights']['format']}: {why})")
@@ -193,8 +200,11 @@ def default_prompt_lengths(settings: dict) -> list[int]:
     cap = int(settings.get("max_positions") or 0)
     if settings.get("mode") == "static" and not settings.get("budgets"):
         cap = min(cap or 10**9, int(min(settings["capacities"])))
-    if cap:
-        lengths = [n for n in lengths if n < cap // 2] or [1]
+        if cap:  # a full cache: the prompt and the decode steps fit its slots
+            lengths = [n for n in lengths if n < cap // 2] or [1]
+    elif cap:  # an evicting cache: any prompt the positions hold, with room to decode (the one above twice the
+        # budget included: it compacts in prefill, which a budget of a quarter of the positions would not otherwise)
+        lengths = [n for n in lengths if n <= cap - max(64, cap // 8)] or [1]
     return sorted(set(lengths))
 
 

@@ -185,6 +185,24 @@ def test_default_conversion_retrieves_the_passkey_the_original_retrieves(convert
     assert found["original"] >= 1, found
 
 
+def test_default_conversion_validates_past_its_budget(converted_by_default, smollm2):
+    """The default export (int8 cache, SnapKV 2048 + lookahead + neighbours) against the PyTorch library path on a
+    prompt that compacts in prefill and in decoding: every greedy token and kept set equal (ties followed within the
+    lossy cache's score tolerance), logits within the lossy cache's gates, which scale with the logits (a 30-layer
+    model's runtimes differ by more than the 4-layer student's)."""
+    from kvexport.export import validation
+    from kvexport.export.parity import LOSSY_CACHE_ATOL_SHARE
+
+    out, r = converted_by_default
+    assert r.returncode == 0, r.stderr[-3000:]
+    prompt = np.random.default_rng(7).integers(3, 49152, 2100).tolist()  # 2 chunks + a partial one; capacity 2080
+    rep = validation.validate(out / "onnx", prompts=[prompt], steps=24, fidelity=False, write=False)
+    pair = rep["pairs"]["pytorch~onnxruntime"]
+    assert pair["passed"], pair
+    assert pair["token_agreement"] == 1.0 and pair["index_agreement"] == 1.0 and pair["compared_kept_sets"] > 0
+    assert pair["tolerances"]["atol"] >= 0.25 and str(int(LOSSY_CACHE_ATOL_SHARE * 100)) in rep["tolerances"]["rule"]
+
+
 def test_quality_verdict_on_the_real_model(converted):
     from kvexport.export.quality import THRESHOLDS, quality_verdict
 
