@@ -44,6 +44,11 @@ def convert_cmd(
     kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="How the exported cache stores K/V (or the MLA "
                                            "latent): fp32, fp16, bf16, int8, fp8 (docs/quantized.md). Default: the "
                                            "export's dtype. A lossy format is also validated against its fp32 twin."),
+    weights: Optional[str] = typer.Option(None, "--weights", help="How DIR/onnx stores the model's MatMul weights: "
+                                          "fp32 (default), fp16, int4 (onnxruntime MatMulNBits; a GGUF model keeps "
+                                          "its own Q4_1 / Q8_0 blocks) or int4-qdq "
+                                          "(INT4 DequantizeLinear for TensorRT); validated against PyTorch on the "
+                                          "same weights, fidelity against the original (docs/quantized.md)."),
     validate: Optional[bool] = typer.Option(None, "--validate/--no-validate", help="Check parity (default on)."),
     profile: Optional[bool] = typer.Option(None, "--profile/--no-profile", help="Profile latency/memory (default on)."),
     baseline: Optional[bool] = typer.Option(None, "--baseline/--no-baseline",
@@ -97,7 +102,7 @@ def convert_cmd(
                  decode_batch=decode_batch, max_positions=max_positions,
                  distill_teacher=distill_teacher,
                  distill_data=str(distill_data) if distill_data is not None else None,
-                 distill_tokens=distill_tokens, target=target, fp16=fp16, kv_dtype=kv_dtype, validate=validate, profile=profile,
+                 distill_tokens=distill_tokens, target=target, fp16=fp16, kv_dtype=kv_dtype, weights=weights, validate=validate, profile=profile,
                  baseline=baseline, contexts=contexts, decode_steps=decode_steps, validate_steps=validate_steps,
                  repeats=repeats, eval_data=eval_data, min_agreement=min_agreement,
                  max_ppl_increase=max_ppl_increase, fidelity=fidelity, choose=True if choose else None,

@@ -35,6 +35,12 @@ def export_cmd(
     kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="How the cache stores K/V (or the MLA latent): "
                                            "fp32, fp16, bf16, int8, fp8 (one byte per number plus a float16 scale "
                                            "per token and head; docs/quantized.md). Default: --dtype."),
+    weights: Optional[str] = typer.Option(None, "--weights", help="How the graphs store the model's MatMul weights: "
+                                          "fp32 (as traced, the default), fp16, int4 (onnxruntime MatMulNBits, "
+                                          "blocks of 32, float32 activations; a GGUF model keeps its own Q4_1 / "
+                                          "Q8_0 blocks) or int4-qdq (INT4 DequantizeLinear for "
+                                          "TensorRT); validate compares it with PyTorch on the same weights "
+                                          "(docs/quantized.md)."),
     ops: str = typer.Option("custom", help="custom: kvexport::TopKGather / LatentAttention nodes (backed by ONNX "
                             "functions); standard: plain ONNX ops only."),
     dynamic_cache: bool = typer.Option(False, "--dynamic-cache", help="Full cache with a growing past (baseline; "
@@ -63,7 +69,7 @@ def export_cmd(
                             rope_dim=rope_dim, batch=batch, chunk=chunk, dtype=dtype, ops=ops,
                             dynamic_cache=dynamic_cache, force=force, max_positions=max_positions,
                             decode_batch=decode_batch, kv_dtype=kv_dtype, inplace_decode=inplace_decode,
-                            lookahead=lookahead, **kw)
+                            lookahead=lookahead, weights=weights, **kw)
     files = ", ".join(sorted(read_manifest(path)["files"]))
     stdout_console().print(f"exported to {path} in {p.elapsed:.1f}s: {files}", highlight=False)
 

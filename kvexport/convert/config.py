@@ -16,6 +16,7 @@ reason):
 - Distillation needs a teacher, data and MLA (it repairs the MLA rewrite).
 - ``--allow-partial`` only means something with ``--target tensorrt``.
 - ``--kv-dtype`` is one of kvexport.cache.formats' names (fp32, fp16, bf16, int8, fp8).
+- ``--weights`` is fp32, fp16, int4 or int4-qdq (kvexport.quant), and only for an fp32 export (not with ``--fp16``).
 
 The resolved settings are saved as ``DIR/convert.json``; ``--config DIR/convert.json`` reads them
 back, so ``kvexport convert --config A/convert.json --out B`` redoes the conversion of A.
@@ -86,6 +87,9 @@ class ConvertConfig:
     #: how the exported cache stores K/V (or the MLA latent): fp32, fp16, bf16, int8, fp8 (docs/quantized.md);
     #: None = the export's dtype
     kv_dtype: str | None = None
+    #: how DIR/onnx stores the model's MatMul weights: fp32, fp16, int4, int4-qdq (kvexport.quant, docs/quantized.md);
+    #: None = as traced (fp32). The baseline keeps the model's weights.
+    weights: str | None = None
     validate: bool = True
     profile: bool = True
     baseline: bool = True
@@ -204,7 +208,8 @@ class ConvertConfig:
             if not isinstance(v, bool):
                 raise BadUsage(f"{source}: {name} must be true or false, got {v!r}")
         self.contexts = parse_contexts(self.contexts, source)
-        for name in ("model", "press", "distill_teacher", "distill_data", "target", "eval_data", "kv_dtype"):
+        for name in ("model", "press", "distill_teacher", "distill_data", "target", "eval_data", "kv_dtype",
+                     "weights"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
                 setattr(self, name, str(v))
@@ -298,6 +303,13 @@ class ConvertConfig:
             from kvexport.cache.formats import kv_format
 
             kv_format(self.kv_dtype)  # one line for an unknown name (kvexport.cache.formats' own message)
+        if self.weights is not None:
+            from kvexport.quant.weights import check_weights
+
+            check_weights(self.weights, "fp16" if self.fp16 else "fp32")  # one line: an unknown name, or with --fp16
+            if self.weights == "int4" and self.target == "tensorrt":
+                raise BadUsage("--weights int4 is onnxruntime's MatMulNBits, which TensorRT does not take; use "
+                               "--weights int4-qdq (INT4 DequantizeLinear) with --target tensorrt")
         if self.target not in TARGETS:
             raise BadUsage(f"--target {self.target!r} is not one of: {', '.join(TARGETS)}")
         if self.allow_partial and self.target != "tensorrt":

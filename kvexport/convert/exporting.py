@@ -22,7 +22,7 @@ def export_in_child(st) -> bool:
 
 def converted_job(st, in_memory: bool = True) -> tuple[Any, Path, dict[str, Any]]:
     """(model, out, export_model keywords) of DIR/onnx: the MLA decoder (when rewritten) or the source model, with
-    the press's static cache. ``in_memory=False`` names the saved MLA directory instead of the decoder in memory
+    the press's static cache and the weight format (``--weights``). ``in_memory=False`` names the saved MLA directory instead of the decoder in memory
     (for a child process: the same weights, memory-mapped)."""
     cfg = st.cfg
     mla_dir = st.work / layout.MLA_DIR
@@ -41,7 +41,8 @@ def converted_job(st, in_memory: bool = True) -> tuple[Any, Path, dict[str, Any]
               lookahead=int(cfg.lookahead or 0) if press else 0, batch=1,
               decode_batch=int(cfg.decode_batch) if cfg.decode_batch else None,
               dtype="fp16" if cfg.fp16 else "fp32", ops="custom", force=False, max_positions=cfg.max_positions,
-              kv_dtype=cfg.kv_dtype, source=source, tokenizer_dir=st.model_path, original=st.model_path)
+              kv_dtype=cfg.kv_dtype, source=source, tokenizer_dir=st.model_path, original=st.model_path,
+              weights=cfg.weights)
     return model, st.work / layout.ONNX_DIR, kw
 
 

@@ -257,6 +257,8 @@ def stage_export(st: ConvertState) -> str:
             # leave with it instead of staying resident beside validate's models (+1 W on the 385M shape)
             release(st)
     msg = f"{_dir_size(st.work / layout.ONNX_DIR) / 2**20:.1f} MiB"
+    if st.cfg.weights not in (None, "fp32"):
+        msg += f" ({st.cfg.weights} weights)"
     if st.cfg.baseline:
         msg += f"; baseline {_dir_size(st.work / layout.BASELINE_DIR) / 2**20:.1f} MiB"
     return msg + ("; in a child process" if child else "")

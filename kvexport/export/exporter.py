@@ -46,6 +46,7 @@ from kvexport.export.source import DTYPES, _hash_model, press_to_dict, resolve_d
 from kvexport.manifest import ONNX_EXPORT as KIND
 from kvexport.manifest import ORT_ONLY_SUFFIX, atomic_output, check_out_dir, write_manifest
 from kvexport.models.loading import TOKENIZER_FILES
+from kvexport.quant.weights import check_weights, quantize_export
 
 # torch's exporter warns once per graph that torchvision's ops are not registered; they are never used here
 logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
@@ -73,7 +74,7 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
                  force: bool = False, max_positions: int | None = None, source: str | Path | None = None,
                  tokenizer_dir: str | Path | None = None, original: str | Path | None = None,
                  decode_batch: int | None = None, progress=None, kv_dtype: str | None = None,
-                 inplace_decode: bool = False, lookahead: int = 0) -> Path:
+                 inplace_decode: bool = False, lookahead: int = 0, weights: str | None = None) -> Path:
     """Export ``model`` to ``out_dir`` (written atomically; see the module docstring for the layout).
 
     model: HF model directory, ``.gguf`` file (:mod:`kvexport.models.gguf`), in-memory HF ``*ForCausalLM``, or a
@@ -92,6 +93,9 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
     lookahead: the prompt's last L columns observe every earlier prefill chunk (kvexport.cache.plan rule 3b): the
     prefill graph takes C + L columns and ``compact_prefill_tail.onnx`` compacts a chunk its tail observes (a press
     that observes only);
+    weights: None or "fp32" (the weights as traced), "fp16", "int4" or "int4-qdq": the graphs' MatMul weights
+    rewritten by :func:`kvexport.quant.quantize_export` before the directory is moved into place (the manifest's
+    ``weights`` entry; docs/quantized.md); needs dtype "fp32";
     dtype "fp32"/"fp16"; ops "custom" (kvexport nodes backed
     by local functions) or "standard" (the functions inlined). Returns the output directory.
     source: for an in-memory ``model``, the directory its reference model lives in (an HF or saved MLA
@@ -109,6 +113,7 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
     if dtype not in DTYPES:
         raise BadUsage(f"--dtype {dtype!r} unknown; accepted: {', '.join(DTYPES)}")
     kv_dtype = graphs.check_kv_dtype(kv_dtype, dtype, dynamic_cache)
+    weights = check_weights(weights, dtype)
     if decode_batch is not None and (int(decode_batch) < 1 or dynamic_cache):
         raise BadUsage(f"--decode-batch {decode_batch} must be >= 1, and needs a static cache (not --dynamic-cache)")
     for name, v in (("batch", batch), ("chunk", chunk), ("window", window)):
@@ -204,6 +209,9 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
                     shutil.copyfile(tok_src / f, tmp / "tokenizer" / f)
         settings["tokenizer"] = "tokenizer" if (tmp / "tokenizer").is_dir() else None
         write_manifest(tmp, KIND, settings, model_hash, reports=("parity.json",))
+        if weights is not None:  # the post-pass, still inside the temporary directory: --out gets both or nothing
+            say(f"weights: {weights}")
+            quantize_export(tmp, weights, progress=say)
     return Path(out)
 
 

@@ -29,16 +29,65 @@ TOLERANCES = {"fp32": (1e-4, 1e-3, 1.0, 1.0), "fp16": (5e-2, 5e-2, 0.98, 0.95)}
 #: tokens as fp16's, logits within 0.25, kept sets 75 % equal (tests/export/test_quantized_student.py checks the
 #: codes themselves against the PyTorch cache).
 LOSSY_CACHE_TOLERANCES = (2.5e-1, 5e-2, 0.98, 0.75)
+#: ... whose absolute logit tolerance grows with the model's logits: at least this share of the largest |logit| the
+#: reference gives for the prompt. The two runtimes may store a value at a rounding boundary one code apart, and
+#: what that moves grows with the depth and the logits' scale: on the 4-layer student (logits within ±14) the
+#: runtimes differ by < 0.03; on SmolLM2-135M (30 layers, logits to ±33) by up to 0.44 with every greedy token and
+#: kept set equal (2026-12-06).
+LOSSY_CACHE_ATOL_SHARE = 2e-2
+
+
+#: int4 weights that onnxruntime multiplies with int8 activations (MatMulNBits at accuracy level 4, and int4-qdq,
+#: which it fuses into that op): the reference has the same weights but float32 activations, so every MatMul's
+#: output is off by the activations' rounding, and a greedy token or a kept candidate at a near tie may flip.
+#: Measured on the student (SnapKV 96, window 16, chunk 32; validate's 7 default prompts, 64 steps): int4 logits
+#: up to 0.22 apart (3.1 % of their range), greedy tokens 99.6 % equal, 86 % of the kept sets equal; int4-qdq 0.24,
+#: 99.6 %, 78 %; at accuracy level 0 (float32 activations) 1.1e-5 and everything equal. A kept set counts as equal
+#: only when every one of its tokens is, so a long budget over many layers rarely keeps every set equal (SmolLM2,
+#: docs/quantized.md), and a random tiny model's near-uniform logits flip greedy tokens at near ties. The gates
+#: (:class:`PairStats` ``lossy_weights``): logits as a lossy cache's (a wrong block or scale moves them by a third of
+#: their range: tests/quant), greedy tokens 98 % equal counting near ties (the reference's margin within atol), kept
+#: sets overlapping by 90 % on average.
+LOSSY_WEIGHTS_TOLERANCES = (2.5e-1, 5e-2, 0.98, 0.9)
+
+
+def tolerance_rule(settings: dict) -> str:
+    """Which tolerances an export's parity check uses, in words (parity.json's ``tolerances.rule``)."""
+    from kvexport.export.twin import is_lossy
+    from kvexport.quant.weights import lossy_arithmetic
+
+    rules = []
+    if is_lossy(settings.get("kv_dtype"), settings["dtype"]):
+        rules.append(f"lossy cache ({settings['kv_dtype']} of {settings['dtype']}; atol at least "
+                     f"{LOSSY_CACHE_ATOL_SHARE:.0%} of the prompt's largest |logit|)")
+    why = lossy_arithmetic(settings.get("weights"))
+    if why:
+        rules.append(f"lossy weights arithmetic ({settings['weights']['format']}: {why})")
+    if not rules:
+        w = (settings.get("weights") or {}).get("format")
+        return settings["dtype"] + (f" (the reference holds the export's {w} weights, float32 arithmetic)" if w
+                                    else "")
+    return "; ".join(rules)
 
 
 def tolerances(settings: dict) -> tuple[float, float, float, float]:
     """(atol, rtol, least token agreement, least kept-index agreement) of an export's parity check: by its dtype
-    (:data:`TOLERANCES`), widened to :data:`LOSSY_CACHE_TOLERANCES` when its cache format is lossy."""
+    (:data:`TOLERANCES`), widened to :data:`LOSSY_CACHE_TOLERANCES` when its cache format is lossy and to
+    :data:`LOSSY_WEIGHTS_TOLERANCES` when onnxruntime multiplies its int4 weights with int8 activations (both: the
+    wider of each). fp16 weights and int4 at accuracy level 0 keep the dtype's: the reference holds the same weights
+    and both sides compute in float32."""
     from kvexport.export.twin import is_lossy
+    from kvexport.quant.weights import lossy_arithmetic
 
+    rows = [TOLERANCES[settings["dtype"]]]
     if is_lossy(settings.get("kv_dtype"), settings["dtype"]):
-        return LOSSY_CACHE_TOLERANCES
-    return TOLERANCES[settings["dtype"]]
+        rows.append(LOSSY_CACHE_TOLERANCES)
+    if lossy_arithmetic(settings.get("weights")):
+        rows.append(LOSSY_WEIGHTS_TOLERANCES)
+    if len(rows) == 1:
+        return rows[0]
+    rows = rows[1:]
+    return (max(r[0] for r in rows), max(r[1] for r in rows), min(r[2] for r in rows), min(r[3] for r in rows))
 
 
 def _runner_base():
@@ -151,8 +200,11 @@ def default_prompt_lengths(settings: dict) -> list[int]:
     cap = int(settings.get("max_positions") or 0)
     if settings.get("mode") == "static" and not settings.get("budgets"):
         cap = min(cap or 10**9, int(min(settings["capacities"])))
-    if cap:
-        lengths = [n for n in lengths if n < cap // 2] or [1]
+        if cap:  # a full cache: the prompt and the decode steps fit its slots
+            lengths = [n for n in lengths if n < cap // 2] or [1]
+    elif cap:  # an evicting cache: any prompt the positions hold, with room to decode (the one above twice the
+        # budget included: it compacts in prefill, which a budget of a quarter of the positions would not otherwise)
+        lengths = [n for n in lengths if n <= cap - max(64, cap // 8)] or [1]
     return sorted(set(lengths))
 
 
@@ -192,12 +244,20 @@ def make_batches(prompts, settings: dict, tokenizer, seed: int = 0) -> list[tupl
 
 
 class PairStats:
-    """Running per-pair numbers over the prompts (reference vs candidate results)."""
+    """Running per-pair numbers over the prompts (reference vs candidate results).
 
-    def __init__(self):
+    ``lossy_weights``: the candidate multiplies int4 weights with int8 activations (:data:`LOSSY_WEIGHTS_TOLERANCES`),
+    so every logit may move by up to the tolerance: a greedy token counts as agreeing where the reference scores the
+    candidate's token within ``atol`` of its own best (a near tie), and kept sets gate on their mean overlap
+    |A ∩ B| / |A| instead of whole-set equality. The strict figures are reported beside them."""
+
+    def __init__(self, lossy_weights: bool = False, atol: float = 0.0):
         self.abs: list[float] = []
         self.rel: list[float] = []
         self.tok_agree = self.tok_total = self.idx_agree = self.idx_total = 0
+        self.lossy_weights, self.atol = bool(lossy_weights), float(atol)
+        self.tok_near = 0
+        self.idx_overlap = 0.0
         self.poly_ok = True
         self.ties = 0
         self.rows: list[dict] = []
@@ -212,9 +272,12 @@ class PairStats:
         agree = b.argmax(-1) == a.argmax(-1)  # the greedy choice after every step, candidate vs reference
         self.tok_agree += int(agree.sum())
         self.tok_total += agree.size
-        ia, it, _ = kept_sets(ref, cand)
+        picked = np.take_along_axis(a, b.argmax(-1)[..., None], -1)[..., 0]  # the reference's logit of b's token
+        self.tok_near += int((agree | (a.max(-1) - picked <= self.atol)).sum())
+        ia, it, overlap = kept_sets(ref, cand)
         self.idx_agree += ia
         self.idx_total += it
+        self.idx_overlap += overlap
         self.ties += ties
         self.rows.append({"lengths": feed["attention_mask"].sum(-1).tolist(), "compactions": cand.compactions,
                           "max_abs_logit_error": float(err.max()), "token_agreement": float(agree.mean()),
@@ -223,14 +286,22 @@ class PairStats:
     def report(self, reference: str, candidate: str, steps: int, atol, rtol, min_tok, min_idx) -> dict:
         token_agreement = self.tok_agree / max(self.tok_total, 1)
         index_agreement = self.idx_agree / self.idx_total if self.idx_total else 1.0
-        passed = bool(self.poly_ok and token_agreement >= min_tok and index_agreement >= min_idx)
+        near = self.tok_near / max(self.tok_total, 1)
+        overlap = self.idx_overlap / self.idx_total if self.idx_total else 1.0
+        tok, idx = (near, overlap) if self.lossy_weights else (token_agreement, index_agreement)
+        passed = bool(self.poly_ok and tok >= min_tok and idx >= min_idx)
+        gated = ({"token_agreement": f"near ties within atol {self.atol:g} agree", "index_agreement":
+                  "mean kept-set overlap |A ∩ B| / |A|"} if self.lossy_weights else
+                 {"token_agreement": "equal greedy tokens", "index_agreement": "equal kept sets"})
         return {
             "reference": reference, "candidate": candidate,
             "max_abs_logit_error": float(max(self.abs)) if self.abs else 0.0,
             "max_rel_logit_error": float(max(self.rel)) if self.rel else 0.0,
             "token_agreement": token_agreement, "index_agreement": index_agreement, "steps": int(steps),
+            "token_agreement_near_ties": near, "kept_overlap": overlap,
             "passed": passed, "polygraphy_passed": self.poly_ok,
             "tolerances": {"atol": atol, "rtol": rtol, "token_agreement": min_tok, "index_agreement": min_idx,
+                           "gated": gated,
                            "compare": "polygraphy SimpleCompareFunc (elementwise) on stacked per-step logits"},
             "per_step_max_abs_logit_error": self.abs, "per_step_max_rel_logit_error": self.rel,
             "prompts": self.rows, "compared_kept_sets": self.idx_total, "ties_followed": self.ties,

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The reference every export is compared with: kvexport's PyTorch library path as a user calls it
 (:func:`kvexport.generation.generate`) with the export's model (rebuilt from the manifest's source and checked
-against its hash), press, budget, window, chunk and cache format, on unpadded prompts. The graphs share no code with
-it but the cache rules (kvexport.cache)."""
+against its hash), press, budget, window, chunk, cache format and weight format, on unpadded prompts. The graphs
+share no code with it but the cache rules (kvexport.cache) and the block rule that gives it a weight-quantized
+export's int4 / fp16 weights (kvexport.quant.blocks, applied to the model's own weights)."""
 
 from __future__ import annotations
 
@@ -61,10 +62,13 @@ def check_reference_source(manifest: dict, root=None) -> str:
     return src
 
 
-def load_reference_model(manifest: dict, model=None, root=None):
+def load_reference_model(manifest: dict, model=None, root=None, weights: bool = True):
     """The PyTorch model of an export: ``model`` (HF dir / model / Decoder) or the manifest's source (its path
     relative to the export ``root`` first, then the absolute one), rewritten to MLA with the same settings, in
-    the export's dtype."""
+    the export's dtype, and, for a weight-quantized export (the manifest's ``weights`` entry), with the weights the
+    export holds (:func:`kvexport.quant.quantized_decoder`: each of the model's own weights that the entry names by
+    sha256 replaced by its int4 / fp16 value, computed by the block rule, not read from the graphs). ``weights``
+    False: the model as it is, before that."""
     from kvexport.export.source import resolve_decoder
 
     s = manifest["settings"]
@@ -78,6 +82,10 @@ def load_reference_model(manifest: dict, model=None, root=None):
     dec, _, model_hash, _ = resolve_decoder(src, s["dtype"], rank, rope, equalize)
     if model is None and model_hash != manifest.get("model_hash"):
         raise BadArtifact(f"the source model {src} changed since the export (hash differs); re-export it")
+    if weights and s.get("weights"):
+        from kvexport.quant.reference import quantized_decoder
+
+        dec = quantized_decoder(dec, s["weights"], inplace=dec is not model)  # a caller's Decoder is copied
     return dec
 
 

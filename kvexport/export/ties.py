@@ -22,6 +22,27 @@ from kvexport.cache.candidates import select_kept
 
 #: relative score tolerance under which two candidates count as tied, by export dtype
 TIE_RTOL = {"fp32": 1e-5, "fp16": 1e-2, "bf16": 2e-2}
+#: ... and for an export whose int4 weights onnxruntime multiplies with int8 activations (kvexport.quant.weights
+#: ``lossy_arithmetic``): every query, key and score moves by the activations' rounding, a few percent
+TIE_RTOL_LOSSY_WEIGHTS = 3e-2
+
+
+#: ... and for a lossy cache format (int8 / fp8, or fp16 / bf16 of an fp32 model: kvexport.export.twin.is_lossy):
+#: the two runtimes may store a number one code apart (a value at a rounding boundary), which moves the scores that
+#: read it by up to a code's share of the row: the fp16 tolerance, as the lossy cache's logit gates are fp16's
+TIE_RTOL_LOSSY_CACHE = 1e-2
+
+
+def tie_rtol(settings: dict) -> float:
+    """The relative score tolerance of an export's ties: by its dtype (:data:`TIE_RTOL`), widened for a lossy cache
+    format (:data:`TIE_RTOL_LOSSY_CACHE`) and for lossy weight arithmetic (:data:`TIE_RTOL_LOSSY_WEIGHTS`)."""
+    from kvexport.export.twin import is_lossy
+    from kvexport.quant.weights import lossy_arithmetic
+
+    r = TIE_RTOL.get(settings["dtype"], 1e-5)
+    if is_lossy(settings.get("kv_dtype"), settings["dtype"]):
+        r = max(r, TIE_RTOL_LOSSY_CACHE)
+    return max(r, TIE_RTOL_LOSSY_WEIGHTS) if lossy_arithmetic(settings.get("weights")) else r
 
 
 class TieReferee:

@@ -30,9 +30,18 @@ import numpy as np
 from kvexport.atomic import atomic_write_bytes
 from kvexport.cache.plan import DEFAULT_WINDOW
 from kvexport.errors import BadUsage, ParityFailure
-from kvexport.export.parity import PairStats, feed_key, make_batches, make_runners, tolerances
+from kvexport.export.parity import (
+    LOSSY_CACHE_ATOL_SHARE,
+    PairStats,
+    feed_key,
+    make_batches,
+    make_runners,
+    tolerance_rule,
+    tolerances,
+)
 from kvexport.export.reference import check_reference_source, load_reference_model, reference_kwargs
 from kvexport.export.spill import StoredRuns
+from kvexport.quant.weights import lossy_arithmetic
 
 PARITY_FILE = "parity.json"
 
@@ -83,15 +92,17 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     a :class:`~kvexport.export.fidelity.FidelitySettings`. ``min_agreement`` / ``max_ppl_increase`` gate it.
     A quantized export's reference is the PyTorch cache in the export's ``kv_dtype``; with fidelity on, a lossy
     format (:func:`~kvexport.export.twin.is_lossy`) also gets ``twin``: that cache against its fp32 twin
-    (:func:`twin_section`).
+    (:func:`twin_section`). A weight-quantized export's reference holds the export's int4 / fp16 weights
+    (:func:`~kvexport.export.reference.load_reference_model`), while fidelity measures it against the original
+    (fp32) model like any compression; parity.json's ``tolerances.rule`` says which tolerances applied and why.
     progress: ``progress(message)`` at each sub-step.
     Raises :class:`ParityFailure` (exit 6) when ``raise_on_failure`` and a tolerance or a gate fails.
     """
     from polygraphy.comparator import Comparator, SimpleCompareFunc
 
     from kvexport.export.source import press_from_dict
-    from kvexport.export.ties import TIE_RTOL
-    from kvexport.export.twin import is_lossy
+    from kvexport.export.ties import tie_rtol as tie_rtol_of
+    from kvexport.export.twin import is_lossy, stacked_logits
     from kvexport.manifest import ONNX_EXPORT as KIND
     from kvexport.manifest import verify_manifest
     from kvexport.models.release import free_memory
@@ -118,6 +129,8 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     manifest = candidate.manifest if candidate is not None else verify_manifest(path, KIND)
     s = manifest["settings"]
     d_atol, d_rtol, min_tok, min_idx = tolerances(s)
+    rule = tolerance_rule(s) + ("" if atol is None and rtol is None else "; atol / rtol as given")
+    scaled_atol = atol is None and is_lossy(s.get("kv_dtype"), s["dtype"])  # LOSSY_CACHE_ATOL_SHARE
     atol = d_atol if atol is None else float(atol)
     rtol = d_rtol if rtol is None else float(rtol)
     press = press_from_dict(s["press"])
@@ -135,7 +148,7 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
         raise BadUsage("text prompts need the export's tokenizer/ directory; give token ids instead")
     batches = make_batches(prompts, s, tokenizer)
     B = int(s["batch"])
-    tie_rtol = TIE_RTOL.get(s["dtype"], 1e-5)
+    tie_rtol = tie_rtol_of(s)
     cand_name = getattr(gen, "backend", "onnxruntime")
     providers_used = list(gen.providers)
     known = StoredRuns("kvexport-validate-")  # the candidate's logits wait on disk for the reference's
@@ -167,7 +180,8 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
         trt_runner, trt_ref = make_runners(decoder, press, s, trt_generator, B, "tensorrt", tie_rtol)
         runners += [trt_runner, trt_ref]
         names.update({"pytorch~tensorrt": (3, 2), "onnxruntime~tensorrt": (0, 2)})
-    stats = {n: PairStats() for n in names}
+    lossy_w = lossy_arithmetic(s.get("weights")) is not None
+    stats = {n: PairStats(lossy_w, atol) for n in names}
     from polygraphy.logger import G_LOGGER
 
     old = G_LOGGER.module_severity
@@ -177,8 +191,12 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
             say(f"parity: prompt {k + 1}/{len(feeds)} ({int(feed['attention_mask'].sum(-1).max())} tokens), "
                 "reference")
             results = Comparator.run(runners, data_loader=[feed])
-            func = SimpleCompareFunc(atol=atol, rtol=rtol)
             for n, (i, j) in names.items():
+                a = atol
+                if scaled_atol:  # the share of the reference's largest |logit| on this prompt, if more
+                    a = max(atol, LOSSY_CACHE_ATOL_SHARE * float(np.abs(stacked_logits(runners[i].last)).max()))
+                stats[n].atol_used = max(getattr(stats[n], "atol_used", 0.0), a)
+                func = SimpleCompareFunc(atol=a, rtol=rtol)
                 acc = Comparator.compare_accuracy(results, compare_func=func, comparisons=[(i, j)])
                 referee = getattr(runners[i], "referee", None)
                 stats[n].add(runners[i].last, runners[j].last, feed, bool(acc),
@@ -197,11 +215,21 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     for n, st in stats.items():
         ref_name, c_name = n.split("~")
         pairs[n] = st.report("kvexport.generation.generate (PyTorch, unpadded)" if ref_name == "pytorch" else ref_name,
-                             labels.get(c_name, c_name), steps, atol, rtol, min_tok, min_idx)
+                             labels.get(c_name, c_name), steps, getattr(st, "atol_used", atol), rtol, min_tok,
+                             min_idx)
     report = {"export": str(Path(path).resolve()),
               "settings": {k: s[k] for k in ("mode", "batch", "chunk", "window", "budgets", "press", "mla", "dtype",
                                              "ops")},
               "pairs": pairs}
+    w = s.get("weights")
+    report["settings"]["weights"] = w["format"] if w else "fp32"
+    report["tolerances"] = {"rule": rule, "atol": atol, "rtol": rtol, "token_agreement": min_tok,
+                            "index_agreement": min_idx}
+    if w:  # what the reference is: the model's own weights through the block rule, not the graphs' tensors
+        report["weights"] = {"format": w["format"], "reference": "kvexport.quant.reference.quantized_decoder: the "
+                             "source model's weights with the export's block rule, matched by sha256",
+                             "quantized": len(w["tensors"]), "kept": len(w["skipped"]),
+                             **{k: w[k] for k in ("block_size", "symmetric", "accuracy_level") if k in w}}
     if fid is not None:
         fid.original()
         report["fidelity"] = fid.report(min_agreement, max_ppl_increase)

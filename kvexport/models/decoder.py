@@ -150,7 +150,7 @@ class Decoder(nn.Module):
     # ----------------------------------------------------------------- running
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache | None = None,
                 mode: str = "prefill", output_hidden: bool = False, tail_ids: torch.Tensor | None = None,
-                tail_positions: torch.Tensor | None = None):
+                tail_positions: torch.Tensor | None = None, last_only: bool = False):
         """Run T tokens through every layer; the cache follows the rules of :mod:`kvexport.cache.plan`.
 
         mode "prefill": a chunk of T prompt columns joins the cache (compacted to the budget where it
@@ -158,7 +158,10 @@ class Decoder(nn.Module):
         With ``cache=None`` the tokens attend only to themselves (a plain forward).
         ``tail_ids`` / ``tail_positions`` (B, L), prefill only: the chunk's lookahead tail (plan rule 3b): run after
         the chunk at its own positions, never stored, observing the chunk when it compacts.
-        Returns logits (B, T, V) of the chunk (and the final hidden states (B, T, H) with ``output_hidden``).
+        Returns logits (B, T, V) of the chunk (and the final hidden states (B, T, H) with ``output_hidden``);
+        ``last_only``: of its last column only, (B, 1, V) (and (B, 1, H)), what a prefill chunk is run for: the LM
+        head's T x V product and its (B, T, V) float32 output are not made (on SmolLM2 a 512-token chunk's logits
+        are 100 MB per row).
         """
         B, T = input_ids.shape
         if tail_ids is not None:
@@ -173,7 +176,7 @@ class Decoder(nn.Module):
                 empty_v = h.new_zeros(B, attn.cache_heads, 0, attn.value_dim)
                 empty_p = positions.new_zeros(B, attn.cache_heads, 0)
                 h, *_ = layer(h, positions, empty_k, empty_v, empty_p)
-            h = self.norm(h)
+            h = self.norm(h[:, -1:] if last_only else h)
             logits = self.lm_head(h)
             return (logits, h) if output_hidden else logits
         if mode == "prefill":
@@ -204,6 +207,6 @@ class Decoder(nn.Module):
             cache.end_prefill(step)
         else:
             cache.end_decode(step)
-        h = self.norm(h[:, :T])
+        h = self.norm(h[:, T - 1:T] if last_only else h[:, :T])
         logits = self.lm_head(h)
         return (logits, h) if output_hidden else logits

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from kvexport.quant.blocks import Int4Blocks, fp16_round, quantize_int4
 from kvexport.quant.reference import quantized_decoder
-from kvexport.quant.weights import FORMATS, quantize_export
+from kvexport.quant.weights import CHOICES, FORMATS, check_weights, lossy_arithmetic, quantize_export
 
-__all__ = ["FORMATS", "Int4Blocks", "fp16_round", "quantize_int4", "quantize_export", "quantized_decoder"]
+__all__ = ["CHOICES", "FORMATS", "Int4Blocks", "check_weights", "fp16_round", "lossy_arithmetic", "quantize_int4",
+           "quantize_export", "quantized_decoder"]

@@ -48,6 +48,8 @@ from kvexport.errors import BadUsage
 from kvexport.quant.blocks import BITS, DEFAULT_BLOCK, Int4Blocks, check_block_size, quantize_int4, to_fp16
 
 FORMATS = ("int4", "int4-qdq", "fp16")
+#: what ``--weights`` takes: fp32 (the weights as traced, no post-pass) or one of the pass's formats
+CHOICES = ("fp32", "fp16", "int4", "int4-qdq")
 WEIGHTS_FILE = "weights.data"  # kvexport.export.exporter.WEIGHTS_FILE
 ALIGN = 64  # byte alignment of each tensor in the file (the exporter's)
 MS_DOMAIN = "com.microsoft"
@@ -59,6 +61,32 @@ DECODE_GRAPHS = ("decode_inplace", "decode")  # the graph a decode step runs, in
 def sha256_array(a: np.ndarray) -> str:
     """sha256 of a float32 array's C-order bytes (how the manifest names a source weight)."""
     return hashlib.sha256(np.ascontiguousarray(a, dtype=np.float32).tobytes()).hexdigest()
+
+
+def check_weights(weights: str | None, dtype: str = "fp32") -> str | None:
+    """``--weights`` as given -> the format the post-pass applies, or None (fp32 or not given: the weights as traced).
+    Refuses (BadUsage, one line) an unknown name, and a format over an export that is not fp32 (the pass reads
+    float32 weights); called before any model loads."""
+    if weights is None or weights == "fp32":
+        return None
+    if weights not in FORMATS:
+        raise BadUsage(f"--weights {weights!r} unknown; accepted: {', '.join(CHOICES)}")
+    if dtype != "fp32":
+        raise BadUsage(f"--weights {weights} rewrites an fp32 export's weights; drop --dtype {dtype} / --fp16")
+    return weights
+
+
+def lossy_arithmetic(entry: dict | None) -> str | None:
+    """Why onnxruntime computes a weight-quantized export's MatMuls other than the float32 reference on the same
+    weights does (None: it does not: fp16 weights are cast to float32, MatMulNBits at accuracy level 0 dequantizes
+    to float32). int4 at accuracy level 4 quantizes the activations to int8 inside MatMulNBits. int4-qdq: onnxruntime
+    fuses DequantizeLinear + MatMul into MatMulNBits at the session's ``session.qdq_matmulnbits_accuracy_level``
+    (default 4, int8 activations), which kvexport's sessions set to 0 (:meth:`kvexport.runtime.sessions.OrtSessions._options`)."""
+    if not entry or entry.get("format") != "int4":
+        return None
+    level = int(entry.get("accuracy_level", 0))
+    return f"MatMulNBits accuracy_level {level}: int8 activations inside the op" if level == 4 else None
+
 
 
 # ----------------------------------------------------------------------------- reading the export's tensors
@@ -148,7 +176,7 @@ class _Store:
 
 # ----------------------------------------------------------------------------- the pass
 def quantize_export(export_dir: str | os.PathLike, weights: str = "int4", block_size: int = DEFAULT_BLOCK,
-                    symmetric: bool | None = None, accuracy_level: int = 4, out: str | os.PathLike | None = None,
+                    symmetric: bool | None = None, accuracy_level: int = 0, out: str | os.PathLike | None = None,
                     force: bool = False, progress=None) -> dict[str, Any]:
     """Rewrite an export's weights to ``weights`` ("int4", "int4-qdq" or "fp16"); returns the manifest's new
     ``weights`` entry.
@@ -156,15 +184,17 @@ def quantize_export(export_dir: str | os.PathLike, weights: str = "int4", block_
     export_dir: a verified fp32 export (:func:`kvexport.export.export_model`); out: where to write the result
     (default: ``export_dir`` itself, replaced atomically once complete). block_size: int4 block along K (a power of
     two >= 16). symmetric: int4 scheme (default asymmetric for "int4"; "int4-qdq" is always symmetric).
-    accuracy_level: MatMulNBits' ``accuracy_level`` (0: float32 activations, the reference's arithmetic; 4: int8
-    activations inside the op, what onnxruntime-genai's ``-p int4`` uses on the CPU, about 2.5x faster per MatMul).
+    accuracy_level: MatMulNBits' ``accuracy_level`` (0, the default and what ``--weights int4`` writes: float32
+    activations, the reference's arithmetic, so parity holds to float32 rounding; 4: int8 activations inside the
+    op, what onnxruntime-genai's ``-p int4`` uses on the CPU, faster, validated only under
+    :data:`kvexport.export.parity.LOSSY_WEIGHTS_TOLERANCES`; docs/quantized.md has both measured).
     """
     import onnx
 
     from kvexport.manifest import ONNX_EXPORT, atomic_output, verify_manifest, write_manifest
 
-    if weights not in FORMATS:
-        raise BadUsage(f"--weights {weights!r} unknown; accepted: {', '.join(FORMATS)}")
+    if check_weights(weights) is None:
+        raise BadUsage(f"--weights {weights}: the export's weights are fp32 already; nothing to rewrite")
     block_size = check_block_size(block_size)
     if weights == "int4-qdq" and symmetric is False:
         raise BadUsage("--weights int4-qdq is symmetric (TensorRT takes INT4 with a zero point of 0 only)")
@@ -319,7 +349,8 @@ def _plan(models: dict, source: _Source, fmt: str, block_size: int, sym: bool, s
         table = source.array(protos[key])
         info["sha256"] = sha256_array(table)
         head = by_sha.get(sha256_array(table.T)) if fmt == "int4" else None
-        gathers[key] = head if head is not None and head.blocks is not None and head.shape[0] % block_size == 0 else None
+        gathers[key] = (head if head is not None and head.blocks is not None and not head.blocks.float_zero_points
+                        and head.shape[0] % block_size == 0 else None)  # GatherBlockQuantized: uint8 zero points
         info["format"] = ("GatherBlockQuantized over the LM head's blocks (tied)" if gathers[key] is not None
                           else "fp16" if fmt == "fp16" else "fp32 (kept)")
     return _Plan(linears, gathers, tables)
@@ -402,11 +433,12 @@ def _int4_inputs(w: _Weight, store: _Store, new_inits: dict, rows: bool = False)
     b, scales, zp = w.blocks.matmulnbits()
     k, n = w.shape
     u8, f32 = onnx.TensorProto.UINT8, onnx.TensorProto.FLOAT
-    data = (_add(new_inits, store, f"q4_{w.tag}_rows", u8, (n, k // 2), ("q4", w.tag), b) if rows else
+    data = (_add(new_inits, store, f"q4_{w.tag}_rows", u8, (n, k * w.blocks.bits // 8), ("q4", w.tag), b) if rows else
             _add(new_inits, store, f"q4_{w.tag}", u8, b.shape, ("q4", w.tag), b))
     ins = [data, _add(new_inits, store, f"q4_{w.tag}_scales", f32, scales.shape, ("scales", w.tag), scales)]
-    if zp is not None:
-        ins.append(_add(new_inits, store, f"q4_{w.tag}_zero_points", u8, zp.shape, ("zp", w.tag), zp))
+    if zp is not None:  # uint8 pairs, or float32 for the checkpoint's own grid
+        ins.append(_add(new_inits, store, f"q4_{w.tag}_zero_points", f32 if w.blocks.float_zero_points else u8, zp.shape,
+                        ("zp", w.tag), zp))
     return ins
 
 
@@ -434,7 +466,7 @@ def _linear_nodes(node, t, bias: str | None, w: _Weight, source: _Source, store:
     y = out if bias is None else f"{out}_nobias"
     k, n = w.shape
     if fmt == "int4":
-        attrs = dict(K=k, N=n, bits=BITS, block_size=block_size)
+        attrs = dict(K=k, N=n, bits=w.blocks.bits, block_size=block_size)
         if accuracy_level:
             attrs["accuracy_level"] = accuracy_level
         new = [helper.make_node("MatMulNBits", [node.input[0], *_int4_inputs(w, store, new_inits)], [y],
@@ -460,8 +492,8 @@ def _gather_int4(node, head: _Weight, store: _Store, new_inits: dict, block_size
 
     data, scales, *zp = _int4_inputs(head, store, new_inits, rows=True)
     return helper.make_node("GatherBlockQuantized", [data, node.input[1], scales, *zp], list(node.output),
-                            name=f"{node.name}_q4", domain=MS_DOMAIN, bits=BITS, block_size=block_size,
-                            gather_axis=0, quantize_axis=1)
+                            name=f"{node.name}_q4", domain=MS_DOMAIN, bits=head.blocks.bits,
+                            block_size=block_size, gather_axis=0, quantize_axis=1)
 
 
 def _gather_fp16(node, t, source: _Source, store: _Store, new_inits: dict) -> list:
@@ -483,6 +515,8 @@ def _entry(plan: _Plan, fmt: str, block_size: int, sym: bool, accuracy_level: in
     tensors, skipped = [], []
     for w in plan.linears.values():
         rec = {"kind": "matmul", "sha256": w.sha256, "shape": list(w.shape), "nodes": w.nodes}
+        if w.blocks is not None and w.blocks.own:  # the checkpoint's own blocks (kvexport.quant.blocks.own_blocks)
+            rec["own_blocks"] = "Q4_1" if w.blocks.bits == 4 else "Q8_0"
         (skipped if w.skip else tensors).append({**rec, "why": w.skip} if w.skip else rec)
     for key, info in plan.tables.items():
         rec = {"kind": "gather", "sha256": info["sha256"], "shape": info["shape"], "nodes": info["nodes"],
@@ -504,7 +538,10 @@ def _entry(plan: _Plan, fmt: str, block_size: int, sym: bool, accuracy_level: in
     else:
         entry.update(bits=BITS, block_size=block_size, symmetric=sym,
                      rule=("symmetric: scale = absmax / 7, q = clip(rint(w / scale), -8, 7)" if sym else
-                           f"asymmetric uint4: onnxruntime {onnxruntime.__version__} quantize_matmul_4bits"))
+                           f"asymmetric uint4: onnxruntime {onnxruntime.__version__} quantize_matmul_4bits; a "
+                           "weight that holds a GGUF file's own blocks keeps them: Q4_1 (codes, scale d, float "
+                           "zero point -m/d), Q8_0 (8-bit codes q + 128, scale d)"))
+        entry["own_blocks"] = sum(1 for t in tensors if t.get("own_blocks"))
         entry["op"] = "com.microsoft::MatMulNBits" if fmt == "int4" else "DequantizeLinear(INT4, blocked) + MatMul"
         if fmt == "int4":
             entry["accuracy_level"] = int(accuracy_level)
@@ -567,4 +604,4 @@ def _relink(settings: dict, dest: Path) -> None:
             settings[f"{key}_relative"] = os.path.relpath(settings[key], dest.resolve())
 
 
-__all__ = ["FORMATS", "quantize_export", "sha256_array"]
+__all__ = ["CHOICES", "FORMATS", "check_weights", "lossy_arithmetic", "quantize_export", "sha256_array"]

@@ -83,6 +83,10 @@ class OrtSessions:
         so.log_severity_level = 3
         if self._threads:
             so.intra_op_num_threads = int(self._threads)
+        if (self.settings.get("weights") or {}).get("format") == "int4-qdq":
+            # onnxruntime fuses its DequantizeLinear + MatMul into MatMulNBits, by default with int8 activations;
+            # float32 ones keep the arithmetic of the PyTorch reference on the same weights (kvexport.quant)
+            so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
         return so
 
     def close(self) -> None:
@@ -105,17 +109,22 @@ class OrtSessions:
         handed to every session that uses it with ``SessionOptions.add_initializer`` (onnxruntime uses a user
         initializer's buffer as it is), so the weights are file-backed pages the kernel can drop, not anonymous
         memory. Weight prepacking is disabled for those sessions, since it would make a packed copy per session
-        again."""
+        again, except for an export whose weights are int4 (the manifest's ``weights`` entry, kvexport.quant):
+        MatMulNBits packs its blocks at session creation and, unpacked, dequantizes the whole weight on every call
+        (tens of times slower); its uint8 blocks are not shared, each session packs its own (an int4 weight is an
+        eighth of its float32 bytes)."""
         import onnx
 
         np_types = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
                     onnx.TensorProto.INT64: np.int64, onnx.TensorProto.INT32: np.int32,
                     onnx.TensorProto.BOOL: np.bool_, onnx.TensorProto.DOUBLE: np.float64}
         opts = {}
+        packs = (self.settings.get("weights") or {}).get("format") in ("int4", "int4-qdq")
         for name, g in graphs.items():
             so = self._options()
             if g.get("external_data"):
-                so.add_session_config_entry("session.disable_prepacking", "1")
+                if not packs:
+                    so.add_session_config_entry("session.disable_prepacking", "1")
                 model = onnx.load(str(self.path / g["file"]), load_external_data=False)
                 for t in model.graph.initializer:
                     if t.data_location != onnx.TensorProto.EXTERNAL or t.data_type not in np_types:

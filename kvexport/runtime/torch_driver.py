@@ -76,7 +76,8 @@ class TorchDriver(Driver):
     def prefill_chunk(self, ids: np.ndarray, positions: np.ndarray, chunk, tail=None) -> tuple[torch.Tensor, bool]:
         before = self.cache.compactions
         observe = {} if tail is None else {"tail_ids": self._tensor(tail[0]), "tail_positions": self._tensor(tail[1])}
-        logits = self.decoder(self._tensor(ids), self._tensor(positions), self.cache, mode="prefill", **observe)
+        logits = self.decoder(self._tensor(ids), self._tensor(positions), self.cache, mode="prefill",
+                              last_only=True, **observe)
         return logits[:, -1], self.cache.compactions > before
 
     @torch.no_grad()

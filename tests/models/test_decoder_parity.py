@@ -52,3 +52,21 @@ def test_left_padding_matches_unpadded(tiny_models):
     alone = generate(dec, b, max_new_tokens=8, keep_logits=True)
     assert torch.equal(batch.tokens[1], alone.tokens[0])
     assert (batch.prompt_logits[1] - alone.prompt_logits[0]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family,kw", FAMILIES, ids=FAMILY_IDS)
+def test_last_only_prefill_gives_hf_logits_at_each_chunk_end(tiny_models, family, kw):
+    """``last_only`` (what generate's prefill runs): each chunk returns only its last column's logits, HF's at that
+    position, and the cache it leaves gives HF's logits to the next chunk."""
+    hf = tiny_models(family, **kw)
+    dec = Decoder.from_hf(hf)
+    ids = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(33).expand(2, 33)
+    with torch.no_grad():
+        ref = hf(ids).logits
+        assert (dec(ids, pos, last_only=True) - ref[:, -1:]).abs().max().item() < 1e-4
+        cache = dec.new_cache(2, None, 64, 4)
+        for s in (0, 11, 22):
+            out = dec(ids[:, s : s + 11], pos[:, s : s + 11], cache, last_only=True)
+            assert out.shape == (2, 1, ref.shape[-1])
+            assert (out[:, 0] - ref[:, s + 10]).abs().max().item() < 1e-4

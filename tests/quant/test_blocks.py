@@ -146,3 +146,90 @@ def test_fp16_round_is_round_to_nearest_even_and_refuses_overflow():
     assert np.array_equal(fp16_round(w), want)
     with pytest.raises(BadModel, match="does not fit float16"):
         fp16_round(np.array([1.0, 65520.0], np.float32))
+
+
+def _q4_1(k: int, n: int, seed: int = 3) -> np.ndarray:
+    """A weight as a GGUF Q4_1 file holds it, stated independently of kvexport (llama.cpp's reference quantizer
+    written out in NumPy): per block of 32 along K, d = float16((max - min) / 15), m = float16(min),
+    q = round((x - min) / d) in 0 ... 15, read back as d * q + m in float32."""
+    x = np.random.default_rng(seed).standard_normal((n, k // 32, 32)).astype(np.float32) * 0.04
+    x[0, 0] = 0.01  # a constant block
+    lo, hi = x.min(axis=2, keepdims=True), x.max(axis=2, keepdims=True)
+    d = ((hi - lo) / 15).astype(np.float16).astype(np.float32)
+    m = lo.astype(np.float16).astype(np.float32)
+    q = np.clip(np.floor((x - lo) / np.where(d > 0, d, 1) + 0.5), 0, 15)
+    return np.ascontiguousarray((d * q + m).reshape(n, k).T)  # (K, N) as MatMul reads it
+
+
+@pytest.mark.parametrize("k,n", [(64, 48), (96, 64)])
+def test_a_q4_1_weight_keeps_its_own_grid(k, n):
+    """A weight already on a Q4_1 grid keeps its codes with float zero points: it reads back within one float32
+    rounding (most blocks bit for bit) where onnxruntime's integer zero point moves it by up to half a code; and
+    MatMulNBits reads the float zero points as the rule says, bit for bit."""
+    w = _q4_1(k, n)
+    b = quantize_int4(w, 32)
+    assert b.own and b.bits == 4 and b.zero_points.dtype == np.float32 and b.codes.max() <= 15
+    got = b.dequantize()
+    ulp = np.spacing(np.abs(w)).max()
+    assert np.abs(got - w).max() <= ulp
+    same = (got == w).reshape(k // 32, 32, n).all(axis=1).mean()
+    assert same >= 0.5, same
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        DefaultWeightOnlyQuantizer,
+    )
+    from onnxruntime.quantization.quant_utils import QuantFormat
+
+    cfg = DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=False, quant_format=QuantFormat.QOperator)
+    packed, scales, zp = DefaultWeightOnlyQuantizer(cfg).qbits_block_quant(w)  # onnxruntime's rule, integer points
+    nb = k // 32
+    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(n, nb, 32).astype(np.float32)
+    zps = np.stack([zp & 0xF, zp >> 4], axis=-1).reshape(n, -1)[:, :nb].astype(np.float32)
+    theirs = ((codes - zps[:, :, None]) * scales.reshape(n, nb)[:, :, None]).reshape(n, k).T
+    assert np.abs(theirs - w).mean() > 100 * np.abs(got - w).mean() + 1e-6  # the grid moved, not kept
+    bq, s, z = b.matmulnbits()
+    assert z.dtype == np.float32 and z.shape == s.shape
+    node = helper.make_node("MatMulNBits", ["A", "B", "S", "Z"], ["Y"], domain="com.microsoft", K=k, N=n, bits=4,
+                            block_size=32)
+    sess = _session([node], [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
+                    [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
+                    [numpy_helper.from_array(bq, "B"), numpy_helper.from_array(s, "S"), numpy_helper.from_array(z, "Z")])
+    assert np.array_equal(sess.run(None, {"A": np.eye(k, dtype=np.float32)})[0], got)
+
+
+def test_a_float_weight_is_not_taken_for_a_grid():
+    """Random float weights, a Q4_1 weight with one value off its grid, and K not a multiple of the block get
+    onnxruntime's integer zero points."""
+    assert not quantize_int4(_weight(64, 48), 32).own
+    w = _q4_1(64, 48)
+    w[5, 7] += 1e-4
+    assert not quantize_int4(w, 32).own
+    assert not quantize_int4(_q4_1(96, 48)[:80], 32).own  # 2.5 blocks
+    assert quantize_int4(_q4_1(96, 48), 32).own
+
+
+@pytest.mark.parametrize("k,n", [(64, 48), (96, 64)])
+def test_a_q8_0_weight_keeps_its_8_bit_blocks(k, n):
+    """A weight as a GGUF Q8_0 block holds it (stated here in NumPy: d = float16(absmax / 127),
+    q = round(x / d) in -127 ... 127, read back as d * q) keeps its 8-bit codes: MatMulNBits (bits 8) and
+    GatherBlockQuantized (the tied table's rows) read it back bit for bit, as the weight itself."""
+    x = np.random.default_rng(5).standard_normal((n, k // 32, 32)).astype(np.float32) * 0.03
+    x[1, 0] = 0.0  # an all-zero block
+    d = (np.abs(x).max(axis=2, keepdims=True) / 127).astype(np.float16).astype(np.float32)
+    w = np.ascontiguousarray((np.rint(x / np.where(d > 0, d, 1)) * d).reshape(n, k).T)  # (K, N)
+    b = quantize_int4(w, 32)
+    assert b.own and b.bits == 8 and np.array_equal(b.dequantize(), w)
+    bq, s, z = b.matmulnbits()
+    assert z is None and bq.dtype == np.uint8 and bq.shape == (n, k // 32, 32)
+    node = helper.make_node("MatMulNBits", ["A", "B", "S"], ["Y"], domain="com.microsoft", K=k, N=n, bits=8,
+                            block_size=32)
+    sess = _session([node], [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
+                    [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
+                    [numpy_helper.from_array(bq, "B"), numpy_helper.from_array(s, "S")])
+    assert np.array_equal(sess.run(None, {"A": np.eye(k, dtype=np.float32)})[0], w)
+    node = helper.make_node("GatherBlockQuantized", ["D", "I", "S"], ["Y"], domain="com.microsoft", bits=8,
+                            block_size=32, gather_axis=0, quantize_axis=1)
+    sess = _session([node], [helper.make_tensor_value_info("I", TensorProto.INT64, ["T"])],
+                    [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["T", k])],
+                    [numpy_helper.from_array(bq.reshape(n, k), "D"), numpy_helper.from_array(s, "S")])
+    assert np.array_equal(sess.run(None, {"I": np.arange(n, dtype=np.int64)})[0], w.T)

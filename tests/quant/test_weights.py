@@ -4,9 +4,10 @@ q/k/v biases, untied head), run by onnxruntime, against the PyTorch library path
 (kvexport.quant.reference.quantized_decoder on the export's source model).
 
 Measured when written (onnxruntime 1.32, CPU): the student's logits over a 5- and a 150-token prompt and 16 decode
-steps are within 1.4e-6 of the largest reference logit for int4 with float32 activations (accuracy level 0) and
-fp16, within 1.9e-2 for int4 at accuracy level 4 (int8 activations inside MatMulNBits) and 5.6e-2 for int4-qdq
-(onnxruntime fuses it into MatMulNBits at level 4); against the unquantized model they are 0.2 to 0.4 of it apart.
+steps are within 1.4e-6 of the largest reference logit for int4 with float32 activations (accuracy level 0, the
+default), int4-qdq (onnxruntime fuses it into MatMulNBits; kvexport's sessions keep that at level 0) and fp16,
+within 1.9e-2 for int4 at accuracy level 4 (int8 activations inside MatMulNBits; 5.6e-2 for int4-qdq at the
+session's default level 4); against the unquantized model they are 0.2 to 0.4 of it apart.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def student(tmp_path_factory):
     root = tmp_path_factory.mktemp("weights")
     base = export_model(DEFAULT_MODEL, root / "fp32", press=make_press("snapkv", budget=96), window=16, chunk=32)
     out = {"fp32": base}
-    for name, kw in {"int4": dict(weights="int4", accuracy_level=0), "int4-acc4": dict(weights="int4"),
+    for name, kw in {"int4": dict(weights="int4"), "int4-acc4": dict(weights="int4", accuracy_level=4),
                      "int4-sym": dict(weights="int4", symmetric=True, accuracy_level=0),
                      "int4-qdq": dict(weights="int4-qdq"), "fp16": dict(weights="fp16")}.items():
         quantize_export(base, out=root / name, **kw)
@@ -53,7 +54,7 @@ def _logits(d, prompts, model=None):
     (prompts, 1 + STEPS, V), the reference forced along onnxruntime's greedy tokens."""
     man = verify_manifest(d)
     s = man["settings"]
-    dec0 = load_reference_model(man, model, root=d)
+    dec0 = load_reference_model(man, model, root=d, weights=False)
     dec = quantized_decoder(dec0, s["weights"]) if s.get("weights") else dec0
     gen = OrtGenerator(d, share_weights=False, threads=1)  # sessions that prepack MatMulNBits (see docs/quantized.md)
     press = press_from_dict(s["press"])
@@ -75,7 +76,7 @@ def _prompts(vocab: int, lengths=(5, 150)):
 
 
 @pytest.mark.parametrize("fmt,rel,agree", [("int4", 1e-5, 1.0), ("int4-sym", 1e-5, 1.0), ("fp16", 1e-5, 1.0),
-                                           ("int4-acc4", 5e-2, 0.9), ("int4-qdq", 1e-1, 0.9)])
+                                           ("int4-qdq", 1e-5, 1.0), ("int4-acc4", 5e-2, 0.9)])
 def test_student_logits_match_pytorch_with_the_same_weights(student, fmt, rel, agree):
     got, ref, orig = _logits(student[fmt], _prompts(4096))
     scale = np.abs(ref).max()
@@ -83,6 +84,28 @@ def test_student_logits_match_pytorch_with_the_same_weights(student, fmt, rel, a
     assert err <= rel, err
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= agree
     assert np.abs(got - orig).max() / scale > min(10 * err, 0.1)  # the weights did change: not the original model
+
+
+@pytest.mark.parametrize("fmt", ["int4-acc4", "int4-qdq"])
+def test_validate_picks_the_tolerances_of_the_arithmetic(student, fmt):
+    """int8 activations (MatMulNBits accuracy level 4) are validated under the lossy-weights gates, with score ties
+    followed within TIE_RTOL_LOSSY_WEIGHTS: past the budget, the two sides' kept sets would otherwise part at near
+    ties (measured: logits 3.8 apart at 300 tokens) and the logits with them; int4-qdq, which kvexport's sessions
+    fuse at level 0, keeps the fp32 gates."""
+    from kvexport.export.parity import LOSSY_WEIGHTS_TOLERANCES, TOLERANCES
+    from kvexport.export.validation import validate
+
+    prompts = [np.random.default_rng(seed).integers(3, 4096, size=n).tolist() for n, seed in ((150, 1), (300, 2))]
+    rep = validate(student[fmt], prompts=prompts, steps=8, fidelity=False, write=False)
+    pair, tol = rep["pairs"]["pytorch~onnxruntime"], rep["tolerances"]
+    assert pair["passed"], pair
+    if fmt == "int4-acc4":
+        assert "int8 activations" in tol["rule"] and pair["ties_followed"] > 0
+        assert (tol["atol"], tol["rtol"], tol["token_agreement"], tol["index_agreement"]) == LOSSY_WEIGHTS_TOLERANCES
+        assert pair["tolerances"]["gated"]["index_agreement"] == "mean kept-set overlap |A ∩ B| / |A|"
+    else:
+        assert tol["rule"].startswith("fp32") and (tol["atol"], tol["rtol"]) == TOLERANCES["fp32"][:2]
+        assert pair["max_abs_logit_error"] <= 1e-4 and pair["index_agreement"] == 1.0
 
 
 def _initializer_values(path):
@@ -115,7 +138,7 @@ def test_every_quantized_weight_reads_bit_for_bit_what_the_reference_uses(studen
     d = student[fmt]
     man = verify_manifest(d)
     entry = man["settings"]["weights"]
-    dec0 = load_reference_model(man, None, root=d)
+    dec0 = load_reference_model(man, None, root=d, weights=False)
     dec = quantized_decoder(dec0, entry)
     by_sha = {}  # source sha256 -> the quantized module weight as the graph reads it
     for m0, m in zip(dec0.modules(), dec.modules(), strict=True):
