@@ -113,7 +113,7 @@ def test_full_cache_passkey_as_good_as_transformers(decoder, transformers_origin
 
 
 SETTINGS = ["--press", "snapkv", "--budget", "128", "--window", "16", "--chunk", "64", "--no-profile",
-            "--no-baseline", "--validate-steps", "8"]
+            "--no-baseline", "--validate-steps", "8", "--decode-batch", "0"]  # no batched graph: 30 s less in CI
 
 
 @pytest.fixture(scope="module")
@@ -155,9 +155,10 @@ def converted_by_default(smollm2, tmp_path_factory):
 
 def test_default_conversion_retrieves_the_passkey_the_original_retrieves(converted_by_default, decoder, smollm2):
     """The default conversion's export (onnxruntime, int8 cache, chunked prefill observed by the prompt's last 64
-    tokens) on passkey prompts longer than its budget (2048 + 32 slots; 2500 tokens: five chunks, the fifth
-    compacts) finds every key the original (kvexport's decoder, full fp32 cache, = transformers within 1e-4 above)
-    finds, and the original finds at least one."""
+    tokens) on a passkey prompt longer than its budget (2048 + 32 slots; 2500 tokens: five chunks, the fifth
+    compacts; the key at half depth, inside the part that compaction thins) finds the key the original (kvexport's
+    decoder, full fp32 cache, = transformers within 1e-4 above) finds. One depth keeps CI's time; docs/sweep.md
+    has depths 0.1 / 0.5 / 0.9 at 1.5k, 4k and 8k."""
     from kvexport.eval.longctx import passkey_example
     from kvexport.generation import generate as torch_generate
     from kvexport.models.loading import load_tokenizer
@@ -171,7 +172,7 @@ def test_default_conversion_retrieves_the_passkey_the_original_retrieves(convert
     tok = load_tokenizer(smollm2.hf_dir)
     gen = OrtGenerator(out / "onnx")
     found = {"original": 0, "converted": 0}
-    for depth in (0.1, 0.5):
+    for depth in (0.5,):
         ex = passkey_example(tok, 2500, depth)
         ids = np.asarray([ex.prompt])
         conv = generate(gen, ids, None, 8)
