@@ -251,8 +251,9 @@ class PairStats:
     candidate's token within ``atol`` of its own best (a near tie), and kept sets gate on their mean overlap
     |A ∩ B| / |A| instead of whole-set equality. The strict figures are reported beside them."""
 
-    def __init__(self, lossy_weights: bool = False, atol: float = 0.0):
+    def __init__(self, lossy_weights: bool = False, atol: float = 0.0, atol_share: float = 0.0):
         self.abs: list[float] = []
+        self.base_atol, self.atol_share = float(atol), float(atol_share)
         self.rel: list[float] = []
         self.tok_agree = self.tok_total = self.idx_agree = self.idx_total = 0
         self.lossy_weights, self.atol = bool(lossy_weights), float(atol)
@@ -261,6 +262,15 @@ class PairStats:
         self.poly_ok = True
         self.ties = 0
         self.rows: list[dict] = []
+
+    def prompt_atol(self, ref) -> float:
+        """The logit atol for one prompt: the base, or ``atol_share`` (:data:`LOSSY_CACHE_ATOL_SHARE` for a lossy
+        cache) of the reference's largest |logit| on it if more; the largest used is what the report gives."""
+        a = self.base_atol
+        if self.atol_share:
+            a = max(a, self.atol_share * float(np.abs(_outputs(ref)["logits"]).max()))
+        self.atol = max(self.atol, a)
+        return a
 
     def add(self, ref, cand, feed, poly_ok: bool, ties: int = 0) -> None:
         self.poly_ok = self.poly_ok and poly_ok

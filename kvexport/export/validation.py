@@ -102,7 +102,7 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
 
     from kvexport.export.source import press_from_dict
     from kvexport.export.ties import tie_rtol as tie_rtol_of
-    from kvexport.export.twin import is_lossy, stacked_logits
+    from kvexport.export.twin import is_lossy
     from kvexport.manifest import ONNX_EXPORT as KIND
     from kvexport.manifest import verify_manifest
     from kvexport.models.release import free_memory
@@ -130,7 +130,7 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     s = manifest["settings"]
     d_atol, d_rtol, min_tok, min_idx = tolerances(s)
     rule = tolerance_rule(s) + ("" if atol is None and rtol is None else "; atol / rtol as given")
-    scaled_atol = atol is None and is_lossy(s.get("kv_dtype"), s["dtype"])  # LOSSY_CACHE_ATOL_SHARE
+    atol_share = LOSSY_CACHE_ATOL_SHARE if atol is None and is_lossy(s.get("kv_dtype"), s["dtype"]) else 0.0
     atol = d_atol if atol is None else float(atol)
     rtol = d_rtol if rtol is None else float(rtol)
     press = press_from_dict(s["press"])
@@ -181,7 +181,7 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
         runners += [trt_runner, trt_ref]
         names.update({"pytorch~tensorrt": (3, 2), "onnxruntime~tensorrt": (0, 2)})
     lossy_w = lossy_arithmetic(s.get("weights")) is not None
-    stats = {n: PairStats(lossy_w, atol) for n in names}
+    stats = {n: PairStats(lossy_w, atol, atol_share) for n in names}
     from polygraphy.logger import G_LOGGER
 
     old = G_LOGGER.module_severity
@@ -192,11 +192,7 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
                 "reference")
             results = Comparator.run(runners, data_loader=[feed])
             for n, (i, j) in names.items():
-                a = atol
-                if scaled_atol:  # the share of the reference's largest |logit| on this prompt, if more
-                    a = max(atol, LOSSY_CACHE_ATOL_SHARE * float(np.abs(stacked_logits(runners[i].last)).max()))
-                stats[n].atol_used = max(getattr(stats[n], "atol_used", 0.0), a)
-                func = SimpleCompareFunc(atol=a, rtol=rtol)
+                func = SimpleCompareFunc(atol=stats[n].prompt_atol(runners[i].last), rtol=rtol)
                 acc = Comparator.compare_accuracy(results, compare_func=func, comparisons=[(i, j)])
                 referee = getattr(runners[i], "referee", None)
                 stats[n].add(runners[i].last, runners[j].last, feed, bool(acc),
@@ -215,8 +211,7 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     for n, st in stats.items():
         ref_name, c_name = n.split("~")
         pairs[n] = st.report("kvexport.generation.generate (PyTorch, unpadded)" if ref_name == "pytorch" else ref_name,
-                             labels.get(c_name, c_name), steps, getattr(st, "atol_used", atol), rtol, min_tok,
-                             min_idx)
+                             labels.get(c_name, c_name), steps, st.atol, rtol, min_tok, min_idx)
     report = {"export": str(Path(path).resolve()),
               "settings": {k: s[k] for k in ("mode", "batch", "chunk", "window", "budgets", "press", "mla", "dtype",
                                              "ops")},
