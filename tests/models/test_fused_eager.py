@@ -57,3 +57,32 @@ def test_fused_eager_equals_a_numpy_softmax_and_is_off_by_default(window):
     traced = A.attention(*args)
     np.testing.assert_allclose(fused.double().numpy(), ref, atol=2e-6)
     np.testing.assert_allclose(traced.double().numpy(), ref, atol=2e-6)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_attention_over_parts_in_place_and_with_gradients(window):
+    """The two-part read of a large cache (:func:`~kvexport.models.attention.attention_over_parts`) against the NumPy
+    softmax: eager without gradients it masks and exponentiates its logits in place, with gradients it makes new
+    tensors (autograd needs the logits its maxima were taken from); both give the same values, bit for bit, and the
+    gradient flows."""
+    g = torch.Generator().manual_seed(1)
+    B, Hq, Hc, T, S, D = 2, 6, 3, 5, 11, 8
+    q = torch.randn(B, Hq, T, D, generator=g)
+    k_past, v_past = torch.randn(B, Hc, S, D, generator=g), torch.randn(B, Hc, S, D, generator=g)
+    k_new, v_new = torch.randn(B, Hc, T, D, generator=g), torch.randn(B, Hc, T, D, generator=g)
+    pos_past = torch.randint(-1, 14, (B, Hc, S), generator=g)
+    pos_past[1] = -1  # row 1: an empty cache
+    q_pos = torch.tensor([[14, 15, 16, 17, 18], [0, 1, 2, 3, 4]])
+    pos_new = q_pos[:, None, :].expand(B, Hc, T).clone()
+    parts = [(k_past, v_past, pos_past), (k_new, v_new, pos_new)]
+    ref = _numpy_attention(q.double().numpy(), torch.cat([k_past, k_new], 2).double().numpy(),
+                           torch.cat([v_past, v_new], 2).double().numpy(), q_pos.numpy(),
+                           torch.cat([pos_past, pos_new], 2).numpy(), 0.35, window)
+    with torch.no_grad():
+        in_place = A.attention_over_parts(q, parts, q_pos, 0.35, window)
+    qg = q.clone().requires_grad_(True)
+    with_grad = A.attention_over_parts(qg, parts, q_pos, 0.35, window)
+    with_grad.square().sum().backward()
+    assert torch.equal(in_place, with_grad.detach())
+    np.testing.assert_allclose(in_place.double().numpy(), ref, atol=2e-6)
+    assert qg.grad is not None and torch.isfinite(qg.grad).all() and qg.grad.abs().sum() > 0

@@ -5,11 +5,17 @@ registry skips these tests with the reason; in CI (``KVEXPORT_REQUIRE_REAL_MODEL
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -41,3 +47,54 @@ def transformers_original(smollm2):
                                                  dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(smollm2.gguf.parent), gguf_file=smollm2.gguf.name)
     return model, tok
+
+
+@dataclass(frozen=True)
+class Conversion:
+    out: Path  # the conversion's directory (its export in out / "onnx")
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def shared_root(tmp_path_factory) -> Path:
+    """A folder all xdist workers of this run see (the run's base temp; alone: this session's own)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def convert_once(tmp_path_factory, name: str, args: list[str]) -> Conversion:
+    """``kvexport convert *args --out ROOT/name`` run once per test run, whichever worker asks first (a file lock:
+    the others wait and read what it printed); a SmolLM2 conversion takes minutes."""
+    root = shared_root(tmp_path_factory)
+    out, done = root / name, root / f"{name}.result.json"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.is_file():
+            r = subprocess.run([sys.executable, "-m", "kvexport", "convert", *args, "--out", str(out)],
+                               capture_output=True, text=True, timeout=1500, cwd=REPO)
+            done.write_text(json.dumps({"returncode": r.returncode, "stdout": r.stdout, "stderr": r.stderr}))
+        res = json.loads(done.read_text())
+    return Conversion(out, res["returncode"], res["stdout"], res["stderr"])
+
+
+#: the small conversion of the real-model tests: SnapKV 128 + window 16 in chunks of 64 with a fp32 cache (the
+#: default int8 cache is converted and validated past its budget below), no profile, baseline or batched graph
+#: (their own tests cover them; each costs a minute here). The serve tests chat through it: a chat of under 144
+#: positions is never evicted from it, so it answers what a full cache answers.
+SMALL_CONVERSION = ["--press", "snapkv", "--budget", "128", "--window", "16", "--chunk", "64", "--kv-dtype", "fp32",
+                    "--no-profile", "--no-baseline", "--validate-steps", "8", "--decode-batch", "0"]
+
+
+@pytest.fixture(scope="session")
+def converted(smollm2, tmp_path_factory) -> Conversion:
+    """``kvexport convert FILE.gguf`` with :data:`SMALL_CONVERSION` (export, validate with fidelity, report)."""
+    return convert_once(tmp_path_factory, "smollm2-small", [str(smollm2.gguf), *SMALL_CONVERSION])
+
+
+@pytest.fixture(scope="session")
+def converted_by_default(smollm2, tmp_path_factory) -> Conversion:
+    """``kvexport convert FILE.gguf`` with no compression flag (its defaults), without the validate, profile and
+    baseline stages (the small conversion runs them; the default export is validated by its own test): the export a
+    user gets by default."""
+    return convert_once(tmp_path_factory, "smollm2-default",
+                        [str(smollm2.gguf), "--no-validate", "--no-profile", "--no-baseline"])

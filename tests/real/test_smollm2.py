@@ -112,23 +112,8 @@ def test_full_cache_passkey_as_good_as_transformers(decoder, transformers_origin
     assert ours_hits >= theirs_hits
 
 
-SETTINGS = ["--press", "snapkv", "--budget", "128", "--window", "16", "--chunk", "64", "--no-profile",
-            "--no-baseline", "--validate-steps", "8", "--decode-batch", "0"]  # no batched graph: 30 s less in CI
-
-
-@pytest.fixture(scope="module")
-def converted(smollm2, tmp_path_factory):
-    import subprocess
-    import sys
-
-    out = tmp_path_factory.mktemp("smollm2") / "smol-kvx"
-    r = subprocess.run([sys.executable, "-m", "kvexport", "convert", str(smollm2.gguf), "--out", str(out),
-                        *SETTINGS], capture_output=True, text=True, timeout=1500, cwd=REPO)
-    return out, r
-
-
 def test_convert_from_the_gguf_file(converted, smollm2):
-    out, r = converted
+    out, r = converted.out, converted
     assert r.returncode == 0, r.stderr[-3000:]
     parity = json.loads((out / "parity.json").read_text())
     assert parity["pairs"] and all(p["passed"] for p in parity["pairs"].values())
@@ -139,36 +124,23 @@ def test_convert_from_the_gguf_file(converted, smollm2):
     assert cj["model"]["num_layers"] == 30 and cj["model"]["num_kv_heads"] == 3
 
 
-@pytest.fixture(scope="module")
-def converted_by_default(smollm2, tmp_path_factory):
-    """``kvexport convert FILE.gguf`` with no compression flag (its defaults), without the validate, profile and
-    baseline stages (their own tests above run them on a smaller cache): the export a user gets by default."""
-    import subprocess
-    import sys
-
-    out = tmp_path_factory.mktemp("smollm2-default") / "smol-default"
-    r = subprocess.run([sys.executable, "-m", "kvexport", "convert", str(smollm2.gguf), "--out", str(out),
-                        "--no-validate", "--no-profile", "--no-baseline"], capture_output=True, text=True,
-                       timeout=1500, cwd=REPO)
-    return out, r
-
-
-def test_default_conversion_retrieves_the_passkey_the_original_retrieves(converted_by_default, decoder, smollm2):
+def test_default_conversion_retrieves_the_passkey_the_original_retrieves(converted_by_default, transformers_original,
+                                                                        smollm2):
     """The default conversion's export (onnxruntime, int8 cache, chunked prefill observed by the prompt's last 64
     tokens) on a passkey prompt longer than its budget (2048 + 32 slots; 2500 tokens: five chunks, the fifth
-    compacts; the key at half depth, inside the part that compaction thins) finds the key the original (kvexport's
-    decoder, full fp32 cache, = transformers within 1e-4 above) finds. One depth keeps CI's time; docs/sweep.md
+    compacts; the key at half depth, inside the part that compaction thins) finds the key the original finds
+    (transformers' greedy ``generate`` on the GGUF file, its own full fp32 cache). One depth keeps CI's time; docs/sweep.md
     has depths 0.1 / 0.5 / 0.9 at 1.5k, 4k and 8k."""
     from kvexport.eval.longctx import passkey_example
-    from kvexport.generation import generate as torch_generate
     from kvexport.models.loading import load_tokenizer
     from kvexport.runtime import OrtGenerator, generate
 
-    out, r = converted_by_default
+    out, r = converted_by_default.out, converted_by_default
     assert r.returncode == 0, r.stderr[-3000:]
     cj = json.loads((out / "convert.json").read_text())["settings"]
     assert (cj["press"], cj["budget"], cj["lookahead"], cj["neighbors"], cj["kv_dtype"]) == ("snapkv", 2048, 64, 3,
                                                                                               "int8")
+    hf, _ = transformers_original
     tok = load_tokenizer(smollm2.hf_dir)
     gen = OrtGenerator(out / "onnx")
     found = {"original": 0, "converted": 0}
@@ -177,9 +149,10 @@ def test_default_conversion_retrieves_the_passkey_the_original_retrieves(convert
         ids = np.asarray([ex.prompt])
         conv = generate(gen, ids, None, 8)
         assert conv.compactions >= 1
-        orig = torch_generate(decoder, torch.as_tensor(ids), None, max_new_tokens=8)
+        with torch.no_grad():
+            orig = hf.generate(torch.as_tensor(ids), max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
         hit_c = ex.answer in tok.decode(conv.tokens[0].tolist())
-        hit_o = ex.answer in tok.decode(orig.tokens[0].tolist())
+        hit_o = ex.answer in tok.decode(orig.tolist())
         assert hit_c or not hit_o, (depth, tok.decode(conv.tokens[0].tolist()), ex.answer)
         found["original"] += hit_o
         found["converted"] += hit_c
@@ -194,7 +167,7 @@ def test_default_conversion_validates_past_its_budget(converted_by_default, smol
     from kvexport.export import validation
     from kvexport.export.parity import LOSSY_CACHE_ATOL_SHARE
 
-    out, r = converted_by_default
+    out, r = converted_by_default.out, converted_by_default
     assert r.returncode == 0, r.stderr[-3000:]
     prompt = np.random.default_rng(7).integers(3, 49152, 2100).tolist()  # 2 chunks + a partial one; capacity 2080
     rep = validation.validate(out / "onnx", prompts=[prompt], steps=24, fidelity=False, write=False)
@@ -207,7 +180,7 @@ def test_default_conversion_validates_past_its_budget(converted_by_default, smol
 def test_quality_verdict_on_the_real_model(converted):
     from kvexport.export.quality import THRESHOLDS, quality_verdict
 
-    out, r = converted
+    out, r = converted.out, converted
     fid = json.loads((out / "parity.json").read_text())["fidelity"]
     q = fid["quality"]
     assert q == json.loads(json.dumps(quality_verdict(fid)))
@@ -224,7 +197,7 @@ def test_quality_verdict_on_the_real_model(converted):
 
 
 def test_report_names_the_final_directory(converted):
-    out, _ = converted
+    out = converted.out
     final = str(out.resolve())
     for name in ("report.json", "report.html", "report.md", "parity.json", "convert.json"):
         text = (out / name).read_text()
@@ -237,7 +210,7 @@ def test_report_names_the_final_directory(converted):
 def test_export_keeps_the_chat_template(converted, transformers_original):
     from kvexport.models.loading import load_tokenizer
 
-    out, _ = converted
+    out = converted.out
     _, ref = transformers_original
     assert (out / "onnx" / "tokenizer" / "chat_template.jinja").is_file()
     tok = load_tokenizer(out / "onnx" / "tokenizer")
@@ -258,7 +231,7 @@ def test_int4_weights_keep_the_gguf_blocks(converted, decoder, smollm2, tmp_path
     from kvexport.models.loading import load_tokenizer
     from kvexport.quant import quantize_export
 
-    out, r = converted
+    out, r = converted.out, converted
     assert r.returncode == 0, r.stderr[-3000:]
     q = tmp_path / "int4"
     entry = quantize_export(out / "onnx", "int4", out=q)

@@ -1,17 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``/v1/chat/completions`` on the real SmolLM2-135M-Instruct through its own chat template: ``kvexport serve`` of a
-full-cache export (press none, 512 positions), asked through the ``openai`` client, streamed and not, answers what
-transformers answers greedily when it reads the GGUF file itself and applies the file's chat template (its
-``generate``, ``do_sample=False``, on its own full cache): the same token ids up to and with the end of turn, and
-the same text. On the onnxruntime backend (streamed and not) and on the PyTorch one."""
+"""``/v1/chat/completions`` on the real SmolLM2-135M-Instruct through its own chat template: ``kvexport serve`` of
+the real-model tests' conversion (``tests/real/conftest.py``: SnapKV 128 + window 16, fp32 cache; these chats and
+their answers fit in its budget, so nothing is evicted and it holds what a full cache holds), asked through the
+``openai`` client, streamed and not, answers what transformers answers greedily when it reads the GGUF file itself
+and applies the file's chat template (its ``generate``, ``do_sample=False``, on its own full cache): the same token
+ids up to and with the end of turn, and the same text. On the onnxruntime backend (streamed and not) and on the
+PyTorch one."""
 
 from __future__ import annotations
 
 import pytest
-from filelock import FileLock
 
-from tests.real.conftest import smollm2, transformers_original  # noqa: F401 - fixtures
-from tests.serve.conftest import _shared_root
+from tests.real.conftest import converted, smollm2, transformers_original  # noqa: F401 - fixtures
 from tests.serve.process import ServerProcess
 
 CHATS = [
@@ -23,14 +23,9 @@ TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def full_export(smollm2, tmp_path_factory):  # noqa: F811
-    from kvexport.export import export_model
-
-    out = _shared_root(tmp_path_factory) / "serve-smollm2-full"
-    with FileLock(str(out) + ".lock"):
-        if not (out / "manifest.json").is_file():
-            export_model(str(smollm2.hf_dir), out, press=None, chunk=64, batch=1, max_positions=512, force=True)
-    return out
+def full_export(converted):  # noqa: F811
+    assert converted.returncode == 0, converted.stderr[-3000:]
+    return converted.out / "onnx"
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +43,7 @@ def references(transformers_original):  # noqa: F811
         new = gen[0, ids["input_ids"].shape[1]:].tolist()
         out.append((ids["input_ids"][0].tolist(), new, tok.decode(new, skip_special_tokens=True)))
     assert all(new[-1] == tok.eos_token_id for _, new, _ in out)  # each answer ends its turn within TOKENS
+    assert all(len(prompt) + len(new) <= 128 for prompt, new, _ in out)  # never evicted: the budget holds it all
     return out
 
 
