@@ -96,6 +96,6 @@ def converted_by_default(smollm2, tmp_path_factory) -> Conversion:
     """``kvexport convert FILE.gguf`` with no compression flag (its defaults), without the validate, profile and
     baseline stages (the small conversion runs them; the default export is validated by its own test) and without
     the batched decode graph, which only ``kvexport serve`` runs (the serve tests run it on the student): the graphs
-    a user's default export runs a sequence with, 40 s less to export here."""
+    a user's default export runs a sequence with, one graph fewer to export."""
     return convert_once(tmp_path_factory, "smollm2-default",
                         [str(smollm2.gguf), "--no-validate", "--no-profile", "--no-baseline", "--decode-batch", "0"])
