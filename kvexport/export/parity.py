@@ -51,43 +51,77 @@ LOSSY_CACHE_ATOL_SHARE = 2e-2
 LOSSY_WEIGHTS_TOLERANCES = (2.5e-1, 5e-2, 0.98, 0.9)
 
 
-def tolerance_rule(settings: dict) -> str:
-    """Which tolerances an export's parity check uses, in words (parity.json's ``tolerances.rule``)."""
-    from kvexport.export.twin import is_lossy
-    from kvexport.quant.weights import lossy_arithmetic
+class ParityRule:
+    """How an export is held to its PyTorch reference, decided once from its manifest settings: whether its cache
+    format is lossy (:func:`kvexport.export.twin.is_lossy`) and whether onnxruntime's arithmetic on its weights is
+    (:func:`kvexport.quant.weights.lossy_arithmetic`), and everything validate takes from that: the gates
+    (:attr:`tolerances`), the logit atol's share of the prompt's logits (:attr:`atol_share`), the score tolerance of
+    ties (:attr:`tie_rtol`), whether the cache gets its fp32 twin (:attr:`lossy_cache`) and the rule in words
+    (:attr:`text`, parity.json's ``tolerances.rule``)."""
 
-    rules = []
-    if is_lossy(settings.get("kv_dtype"), settings["dtype"]):
-        rules.append(f"lossy cache ({settings['kv_dtype']} of {settings['dtype']}; atol at least "
-                     f"{LOSSY_CACHE_ATOL_SHARE:.0%} of the prompt's largest |logit|)")
-    why = lossy_arithmetic(settings.get("weights"))
-    if why:
-        rules.append(f"lossy weights arithmetic ({settings['weights']['format']}: {why})")
-    if not rules:
-        w = (settings.get("weights") or {}).get("format")
-        return settings["dtype"] + (f" (the reference holds the export's {w} weights, float32 arithmetic)" if w
-                                    else "")
-    return "; ".join(rules)
+    def __init__(self, settings: dict):
+        from kvexport.export.twin import is_lossy
+        from kvexport.quant.weights import lossy_arithmetic
+
+        self.dtype = settings["dtype"]
+        self.kv_dtype = settings.get("kv_dtype")
+        self.weights = (settings.get("weights") or {}).get("format")
+        #: the cache is stored in a lossy format (int8 / fp8; fp16 / bf16 of an fp32 model)
+        self.lossy_cache = bool(is_lossy(self.kv_dtype, self.dtype))
+        #: why onnxruntime's arithmetic on the int4 weights is lossy (int8 activations), or None
+        self.lossy_weights = lossy_arithmetic(settings.get("weights"))
+
+    @property
+    def tolerances(self) -> tuple[float, float, float, float]:
+        """(atol, rtol, least token agreement, least kept-index agreement): by the dtype (:data:`TOLERANCES`),
+        widened to :data:`LOSSY_CACHE_TOLERANCES` for a lossy cache and to :data:`LOSSY_WEIGHTS_TOLERANCES` for
+        lossy weight arithmetic (both: the wider of each). fp16 weights and int4 at accuracy level 0 keep the
+        dtype's: the reference holds the same weights and both sides compute in float32."""
+        rows = [LOSSY_CACHE_TOLERANCES] * self.lossy_cache + [LOSSY_WEIGHTS_TOLERANCES] * bool(self.lossy_weights)
+        if not rows:
+            return TOLERANCES[self.dtype]
+        return (max(r[0] for r in rows), max(r[1] for r in rows), min(r[2] for r in rows), min(r[3] for r in rows))
+
+    @property
+    def atol_share(self) -> float:
+        """The share of the prompt's largest |logit| the logit atol is at least (:data:`LOSSY_CACHE_ATOL_SHARE` for
+        a lossy cache, else 0)."""
+        return LOSSY_CACHE_ATOL_SHARE if self.lossy_cache else 0.0
+
+    @property
+    def tie_rtol(self) -> float:
+        """The relative score tolerance under which two candidates tie: by the dtype (:data:`TIE_RTOL`), widened for a
+        lossy cache (:data:`TIE_RTOL_LOSSY_CACHE`) and for lossy weight arithmetic (:data:`TIE_RTOL_LOSSY_WEIGHTS`)."""
+        from kvexport.export.ties import TIE_RTOL, TIE_RTOL_LOSSY_CACHE, TIE_RTOL_LOSSY_WEIGHTS
+
+        r = TIE_RTOL.get(self.dtype, 1e-5)
+        r = max(r, TIE_RTOL_LOSSY_CACHE) if self.lossy_cache else r
+        return max(r, TIE_RTOL_LOSSY_WEIGHTS) if self.lossy_weights else r
+
+    @property
+    def text(self) -> str:
+        """Which tolerances apply and why, in words."""
+        rules = []
+        if self.lossy_cache:
+            rules.append(f"lossy cache ({self.kv_dtype} of {self.dtype}; atol at least {LOSSY_CACHE_ATOL_SHARE:.0%} "
+                         "of the prompt's largest |logit|)")
+        if self.lossy_weights:
+            rules.append(f"lossy weights arithmetic ({self.weights}: {self.lossy_weights})")
+        if not rules:
+            return self.dtype + (f" (the reference holds the export's {self.weights} weights, float32 arithmetic)"
+                                 if self.weights else "")
+        return "; ".join(rules)
+
+
+def tolerance_rule(settings: dict) -> str:
+    """Which tolerances an export's parity check uses, in words (:attr:`ParityRule.text`)."""
+    return ParityRule(settings).text
 
 
 def tolerances(settings: dict) -> tuple[float, float, float, float]:
-    """(atol, rtol, least token agreement, least kept-index agreement) of an export's parity check: by its dtype
-    (:data:`TOLERANCES`), widened to :data:`LOSSY_CACHE_TOLERANCES` when its cache format is lossy and to
-    :data:`LOSSY_WEIGHTS_TOLERANCES` when onnxruntime multiplies its int4 weights with int8 activations (both: the
-    wider of each). fp16 weights and int4 at accuracy level 0 keep the dtype's: the reference holds the same weights
-    and both sides compute in float32."""
-    from kvexport.export.twin import is_lossy
-    from kvexport.quant.weights import lossy_arithmetic
-
-    rows = [TOLERANCES[settings["dtype"]]]
-    if is_lossy(settings.get("kv_dtype"), settings["dtype"]):
-        rows.append(LOSSY_CACHE_TOLERANCES)
-    if lossy_arithmetic(settings.get("weights")):
-        rows.append(LOSSY_WEIGHTS_TOLERANCES)
-    if len(rows) == 1:
-        return rows[0]
-    rows = rows[1:]
-    return (max(r[0] for r in rows), max(r[1] for r in rows), min(r[2] for r in rows), min(r[3] for r in rows))
+    """(atol, rtol, least token agreement, least kept-index agreement) of an export's parity check
+    (:attr:`ParityRule.tolerances`)."""
+    return ParityRule(settings).tolerances
 
 
 def _runner_base():

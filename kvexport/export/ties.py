@@ -34,15 +34,10 @@ TIE_RTOL_LOSSY_CACHE = 1e-2
 
 
 def tie_rtol(settings: dict) -> float:
-    """The relative score tolerance of an export's ties: by its dtype (:data:`TIE_RTOL`), widened for a lossy cache
-    format (:data:`TIE_RTOL_LOSSY_CACHE`) and for lossy weight arithmetic (:data:`TIE_RTOL_LOSSY_WEIGHTS`)."""
-    from kvexport.export.twin import is_lossy
-    from kvexport.quant.weights import lossy_arithmetic
+    """The relative score tolerance of an export's ties (:attr:`kvexport.export.parity.ParityRule.tie_rtol`)."""
+    from kvexport.export.parity import ParityRule
 
-    r = TIE_RTOL.get(settings["dtype"], 1e-5)
-    if is_lossy(settings.get("kv_dtype"), settings["dtype"]):
-        r = max(r, TIE_RTOL_LOSSY_CACHE)
-    return max(r, TIE_RTOL_LOSSY_WEIGHTS) if lossy_arithmetic(settings.get("weights")) else r
+    return ParityRule(settings).tie_rtol
 
 
 class TieReferee:

@@ -30,18 +30,9 @@ import numpy as np
 from kvexport.atomic import atomic_write_bytes
 from kvexport.cache.plan import DEFAULT_WINDOW
 from kvexport.errors import BadUsage, ParityFailure
-from kvexport.export.parity import (
-    LOSSY_CACHE_ATOL_SHARE,
-    PairStats,
-    feed_key,
-    make_batches,
-    make_runners,
-    tolerance_rule,
-    tolerances,
-)
+from kvexport.export.parity import PairStats, ParityRule, feed_key, make_batches, make_runners
 from kvexport.export.reference import check_reference_source, load_reference_model, reference_kwargs
 from kvexport.export.spill import StoredRuns
-from kvexport.quant.weights import lossy_arithmetic
 
 PARITY_FILE = "parity.json"
 
@@ -82,7 +73,7 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     prompts: None (random token ids: one token, around a chunk, below/at/above the budget, several chunks),
     a list of lengths, token-id lists or strings. steps: decode steps per prompt (>= 1).
     atol/rtol: logit tolerances (default by dtype: fp32 1e-4 / 1e-3, fp16 5e-2 / 5e-2); token / index
-    agreement must be 1.0 in fp32, >= 0.98 / 0.95 in fp16 or with a lossy cache format (:func:`tolerances`).
+    agreement must be 1.0 in fp32, >= 0.98 / 0.95 in fp16 or with a lossy cache format (:class:`~kvexport.export.parity.ParityRule`).
     backend "tensorrt" adds the pairs ``onnxruntime~tensorrt`` and ``pytorch~tensorrt`` (engines from
     ``engines``, default ``DIR-tensorrt``; ``trt_generator``: an already opened
     :class:`~kvexport.tensorrt.generator.TrtGenerator`). ``candidate``: validate this step generator (same API as
@@ -101,8 +92,6 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     from polygraphy.comparator import Comparator, SimpleCompareFunc
 
     from kvexport.export.source import press_from_dict
-    from kvexport.export.ties import tie_rtol as tie_rtol_of
-    from kvexport.export.twin import is_lossy
     from kvexport.manifest import ONNX_EXPORT as KIND
     from kvexport.manifest import verify_manifest
     from kvexport.models.release import free_memory
@@ -128,9 +117,10 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     # model alone (fidelity). The export's weights and a PyTorch model's are never resident together.
     manifest = candidate.manifest if candidate is not None else verify_manifest(path, KIND)
     s = manifest["settings"]
-    d_atol, d_rtol, min_tok, min_idx = tolerances(s)
-    rule = tolerance_rule(s) + ("" if atol is None and rtol is None else "; atol / rtol as given")
-    atol_share = LOSSY_CACHE_ATOL_SHARE if atol is None and is_lossy(s.get("kv_dtype"), s["dtype"]) else 0.0
+    held = ParityRule(s)  # lossy cache / weights: the gates, the atol's share, the ties' tolerance, the twin
+    d_atol, d_rtol, min_tok, min_idx = held.tolerances
+    rule = held.text + ("" if atol is None and rtol is None else "; atol / rtol as given")
+    atol_share = held.atol_share if atol is None else 0.0
     atol = d_atol if atol is None else float(atol)
     rtol = d_rtol if rtol is None else float(rtol)
     press = press_from_dict(s["press"])
@@ -148,7 +138,7 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
         raise BadUsage("text prompts need the export's tokenizer/ directory; give token ids instead")
     batches = make_batches(prompts, s, tokenizer)
     B = int(s["batch"])
-    tie_rtol = tie_rtol_of(s)
+    tie_rtol = held.tie_rtol
     cand_name = getattr(gen, "backend", "onnxruntime")
     providers_used = list(gen.providers)
     known = StoredRuns("kvexport-validate-")  # the candidate's logits wait on disk for the reference's
@@ -180,8 +170,7 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
         trt_runner, trt_ref = make_runners(decoder, press, s, trt_generator, B, "tensorrt", tie_rtol)
         runners += [trt_runner, trt_ref]
         names.update({"pytorch~tensorrt": (3, 2), "onnxruntime~tensorrt": (0, 2)})
-    lossy_w = lossy_arithmetic(s.get("weights")) is not None
-    stats = {n: PairStats(lossy_w, atol, atol_share) for n in names}
+    stats = {n: PairStats(held.lossy_weights is not None, atol, atol_share) for n in names}
     from polygraphy.logger import G_LOGGER
 
     old = G_LOGGER.module_severity
@@ -200,7 +189,7 @@ def validate(path, prompts=None, steps: int = 64, atol: float | None = None, rto
     finally:
         G_LOGGER.module_severity = old
     twin = None
-    if fidelity and is_lossy(s.get("kv_dtype"), s["dtype"]):
+    if fidelity and held.lossy_cache:
         twin = twin_section(decoder, s, tokenizer, eval_data, fidelity_settings, say)
     # the reference (and the runners holding it) are done: free them before fidelity loads the original model
     known.close()
