@@ -253,8 +253,11 @@ def mla_cmd(
     t0 = time.perf_counter()
     result = mla_study(student_path, teacher_paths, study, taskset, cache_dir or DEFAULT_CACHE,
                        log=lambda m: console.print(f"[dim]{m}[/]", highlight=False))
+    given_opts = {"--rope-dim": rope_dim, "--budgets": budgets, "--seq-len": seq_len, "--batch-size": batch_size,
+                  "--lr": lr, "--context-len": context_len, "--n-recall": n_recall}  # all that changes the result
     result["command"] = (f"kvexport eval mla {student_path} --teachers {','.join(given)} --ratios {ratios}"
-                         + (" --quick" if quick else "") + (f" --budgets {budgets}" if budgets else ""))
+                         + (" --quick" if quick else "")
+                         + "".join(f" {k} {v}" for k, v in given_opts.items() if v is not None))
     result["quick"] = quick
     result["wall_s"] = time.perf_counter() - t0
     json_path, png_path = _paths(out, "mla", student_path, quick)

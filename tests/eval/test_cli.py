@@ -29,6 +29,7 @@ def test_mla_and_combo_cli(tmp_path):
     assert rc == 0
     res = json.loads((tmp_path / "mla_kvx-student.json").read_text())
     assert [r["kv_rank"] for r in res["ranks"]] == [64, 16]
+    assert all(f"{k} {v}" in res["command"] for k, v in zip(TINY[::2], TINY[1::2], strict=True))  # as it was run
     assert list(res["results"]) == ["kvx-student"] and list(res["results"]["kvx-student"]) == ["1024", "2048"]
     ts = TaskSet(load_tokenizer(DEFAULT_MODEL), TaskSettings(**res["tasks"]["settings"]))
     assert res["baseline"] == pytest.approx(evaluate_tasks(load_decoder(DEFAULT_MODEL)[0], ts))
