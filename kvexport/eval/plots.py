@@ -91,7 +91,9 @@ def plot_mla_study(result: dict, path) -> None:
     axes[0][0].set_ylabel("accuracy (mean of next-token, code, passkey, span recall)")
     lo, hi = axes[0][0].get_ylim()
     axes[0][0].set_ylim(min(lo, 0.0), hi + 0.35 * (hi - lo))  # headroom for the legend above the baseline
-    axes[0][0].legend(fontsize=8, loc="upper right", ncol=2)
+    labels = axes[0][0].get_legend_handles_labels()[1]
+    # two columns fit the panel only with short labels; a real model's directory name is long
+    axes[0][0].legend(fontsize=8, loc="upper right", ncol=2 if max(map(len, labels)) <= 28 else 1)
     fig.suptitle(f"MLA upcycling of {result['student']}{' (quick run)' if result.get('quick') else ''}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
