@@ -33,13 +33,6 @@ TIE_RTOL_LOSSY_WEIGHTS = 3e-2
 TIE_RTOL_LOSSY_CACHE = 1e-2
 
 
-def tie_rtol(settings: dict) -> float:
-    """The relative score tolerance of an export's ties (:attr:`kvexport.export.parity.ParityRule.tie_rtol`)."""
-    from kvexport.export.parity import ParityRule
-
-    return ParityRule(settings).tie_rtol
-
-
 class TieReferee:
     """``tie_break`` for :func:`kvexport.generation.generate` that follows ``kept`` where it is a tie.
 

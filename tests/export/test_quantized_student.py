@@ -105,11 +105,11 @@ def test_lossy_cache_ties_and_prompts():
     """A lossy cache widens the score-tie tolerance to fp16's (two runtimes may store a value one code apart), and
     validation's default prompts include one above twice the budget whenever the positions hold it (an evicting
     cache: SmolLM2's default budget 2048 of 8192 positions compacts in prefill only past 4096 tokens)."""
-    from kvexport.export.parity import default_prompt_lengths
-    from kvexport.export.ties import TIE_RTOL, TIE_RTOL_LOSSY_CACHE, tie_rtol
+    from kvexport.export.parity import ParityRule, default_prompt_lengths
+    from kvexport.export.ties import TIE_RTOL, TIE_RTOL_LOSSY_CACHE
 
-    assert tie_rtol({"dtype": "fp32", "kv_dtype": "int8"}) == TIE_RTOL_LOSSY_CACHE == TIE_RTOL["fp16"]
-    assert tie_rtol({"dtype": "fp32", "kv_dtype": "fp32"}) == TIE_RTOL["fp32"]
+    assert ParityRule({"dtype": "fp32", "kv_dtype": "int8"}).tie_rtol == TIE_RTOL_LOSSY_CACHE == TIE_RTOL["fp16"]
+    assert ParityRule({"dtype": "fp32", "kv_dtype": "fp32"}).tie_rtol == TIE_RTOL["fp32"]
     evicting = {"chunk": 512, "budgets": [2048] * 30, "max_positions": 8192, "mode": "static",
                 "capacities": [2080] * 30}
     assert 2 * 2048 + 3 in default_prompt_lengths(evicting)
