@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -33,3 +36,10 @@ def tiny_models():
         return made[key]
 
     return get
+
+
+def shared_root(tmp_path_factory) -> Path:
+    """A folder all xdist workers of this run see (the run's base temp; alone: this session's own): where fixtures
+    shared between workers build once under a file lock (tests/serve, tests/real)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base

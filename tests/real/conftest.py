@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
+from tests.conftest import shared_root
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -55,12 +57,6 @@ class Conversion:
     returncode: int
     stdout: str
     stderr: str
-
-
-def shared_root(tmp_path_factory) -> Path:
-    """A folder all xdist workers of this run see (the run's base temp; alone: this session's own)."""
-    base = tmp_path_factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 def convert_once(tmp_path_factory, name: str, args: list[str]) -> Conversion:

@@ -15,7 +15,6 @@ format, one sequence at a time (:class:`LibraryRun`). It shares no code with the
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -23,17 +22,12 @@ import pytest
 from filelock import FileLock
 
 from kvexport.paths import MODELS_DIR
+from tests.conftest import shared_root
 
 STUDENT = MODELS_DIR / "kvx-student"
 BUDGET, WINDOW, CHUNK, SLOTS, MAX_POSITIONS = 32, 8, 16, 4, 512
 CHAT_TEMPLATE = ("{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
-
-
-def _shared_root(tmp_path_factory) -> Path:
-    """A folder all workers of this run see (xdist: the run's base temp; alone: this session's own)."""
-    base = tmp_path_factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 def _make_exports(root: Path) -> dict[str, Path]:
@@ -59,7 +53,7 @@ def _make_exports(root: Path) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def exports(tmp_path_factory) -> dict[str, Path]:
-    root = _shared_root(tmp_path_factory) / "serve-exports"
+    root = shared_root(tmp_path_factory) / "serve-exports"
     root.mkdir(exist_ok=True)
     with FileLock(str(root) + ".lock"):
         return _make_exports(root)
@@ -72,7 +66,7 @@ def mla_export_dir(tmp_path_factory) -> Path:
     from kvexport.export import export_model
     from kvexport.presses import make_press
 
-    root = _shared_root(tmp_path_factory) / "serve-exports"
+    root = shared_root(tmp_path_factory) / "serve-exports"
     root.mkdir(exist_ok=True)
     out = root / "kvx-student-mla"
     with FileLock(str(out) + ".lock"):
