@@ -33,22 +33,33 @@ def _numpy_attention(q, k, v, q_pos, k_pos, scaling, window):
     return out
 
 
-@pytest.mark.parametrize("window", [None, 5])
-def test_fused_eager_equals_a_numpy_softmax_and_is_off_by_default(window):
-    g = torch.Generator().manual_seed(0)
-    B, Hq, Hc, T, S, D = 2, 6, 2, 4, 9, 8
+def _case(seed: int, Hc: int, T: int, S: int, B: int = 2, Hq: int = 6, D: int = 8):
+    """Random q, past and new K/V and their positions: row 0's queries at positions past its cache (whose slots hold
+    positions in [-1, S+1)), row 1 an empty cache (its first query sees only itself)."""
+    g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, Hq, T, D, generator=g)
     k_past, v_past = torch.randn(B, Hc, S, D, generator=g), torch.randn(B, Hc, S, D, generator=g)
     k_new, v_new = torch.randn(B, Hc, T, D, generator=g), torch.randn(B, Hc, T, D, generator=g)
-    pos_past = torch.randint(-1, 12, (B, Hc, S), generator=g)
-    pos_past[1, :, :] = -1  # row 1: an empty cache, its first query sees only itself
-    q_pos = torch.tensor([[12, 13, 14, 15], [0, 1, 2, 3]])
+    pos_past = torch.randint(-1, S + 3, (B, Hc, S), generator=g)
+    pos_past[1] = -1
+    q_pos = torch.stack([torch.arange(S + 3, S + 3 + T), torch.arange(T)])
     pos_new = q_pos[:, None, :].expand(B, Hc, T).clone()
+    return q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos
+
+
+def _reference(q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos, scaling, window):
+    """:func:`_numpy_attention` over the cache and the new tokens together."""
+    return _numpy_attention(q.double().numpy(), torch.cat([k_past, k_new], 2).double().numpy(),
+                            torch.cat([v_past, v_new], 2).double().numpy(), q_pos.numpy(),
+                            torch.cat([pos_past, pos_new], 2).numpy(), scaling, window)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_fused_eager_equals_a_numpy_softmax_and_is_off_by_default(window):
+    q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos = _case(0, Hc=2, T=4, S=9)
     pos_new[0, 1, 0] = -1  # a padded new column
     args = (q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos, 0.35, window)
-    ref = _numpy_attention(q.double().numpy(), torch.cat([k_past, k_new], 2).double().numpy(),
-                           torch.cat([v_past, v_new], 2).double().numpy(), q_pos.numpy(),
-                           torch.cat([pos_past, pos_new], 2).numpy(), 0.35, window)
+    ref = _reference(*args)
     assert not A._FUSED_EAGER
     with A.fused_eager_attention():
         assert A._FUSED_EAGER
@@ -65,19 +76,9 @@ def test_attention_over_parts_in_place_and_with_gradients(window):
     softmax: eager without gradients it masks and exponentiates its logits in place, with gradients it makes new
     tensors (autograd needs the logits its maxima were taken from); both give the same values, bit for bit, and the
     gradient flows."""
-    g = torch.Generator().manual_seed(1)
-    B, Hq, Hc, T, S, D = 2, 6, 3, 5, 11, 8
-    q = torch.randn(B, Hq, T, D, generator=g)
-    k_past, v_past = torch.randn(B, Hc, S, D, generator=g), torch.randn(B, Hc, S, D, generator=g)
-    k_new, v_new = torch.randn(B, Hc, T, D, generator=g), torch.randn(B, Hc, T, D, generator=g)
-    pos_past = torch.randint(-1, 14, (B, Hc, S), generator=g)
-    pos_past[1] = -1  # row 1: an empty cache
-    q_pos = torch.tensor([[14, 15, 16, 17, 18], [0, 1, 2, 3, 4]])
-    pos_new = q_pos[:, None, :].expand(B, Hc, T).clone()
+    q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos = _case(1, Hc=3, T=5, S=11)
     parts = [(k_past, v_past, pos_past), (k_new, v_new, pos_new)]
-    ref = _numpy_attention(q.double().numpy(), torch.cat([k_past, k_new], 2).double().numpy(),
-                           torch.cat([v_past, v_new], 2).double().numpy(), q_pos.numpy(),
-                           torch.cat([pos_past, pos_new], 2).numpy(), 0.35, window)
+    ref = _reference(q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos, 0.35, window)
     with torch.no_grad():
         in_place = A.attention_over_parts(q, parts, q_pos, 0.35, window)
     qg = q.clone().requires_grad_(True)
