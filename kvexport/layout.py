@@ -31,6 +31,8 @@ MLA_DIR = "mla"
 PARITY_JSON = "parity.json"
 #: --choose's search: what was tried, its numbers, what was chosen (kvexport.convert.choose)
 CHOICE_JSON = "choice.json"
+#: the layer-wise MLA refit's per-layer results (convert --refit-steps; kvexport.mla.refit)
+REFIT_JSON = "refit.json"
 #: the profile of a conversion before profiles were kept per backend (read as onnxruntime's)
 PROFILE_JSON = "profile.json"
 MANIFEST = "manifest.json"
@@ -78,7 +80,7 @@ def read_manifest(export_dir: str | Path) -> dict[str, Any] | None:
 
 CONVERSION_KIND = "kvexport-conversion"
 #: top-level files a conversion lists in DIR/manifest.json (the writers update their own entries)
-OUTPUT_FILES = (CONVERT_JSON, PARITY_JSON, CHOICE_JSON, PROFILE_JSON, "report.html", "report.md", "report.json")
+OUTPUT_FILES = (CONVERT_JSON, PARITY_JSON, CHOICE_JSON, REFIT_JSON, PROFILE_JSON, "report.html", "report.md", "report.json")
 #: sub-directories with their own manifest.json, verified by the readers (report, profile)
 VERIFIED_SUBDIRS = (ONNX_DIR, BASELINE_DIR, ENGINE_DIR)
 
@@ -157,5 +159,5 @@ def export_dir_of(d: str | Path) -> Path:
 
 __all__ = ["CONVERT_JSON", "ONNX_DIR", "BASELINE_DIR", "ENGINE_DIR", "MLA_DIR", "PARITY_JSON", "PROFILE_JSON",
            "profile_name", "profile_files", "write_parity",
-           "MANIFEST", "CONVERSION_KIND", "OUTPUT_FILES", "CHOICE_JSON", "read_convert_json", "is_conversion", "record_outputs",
+           "MANIFEST", "CONVERSION_KIND", "OUTPUT_FILES", "CHOICE_JSON", "REFIT_JSON", "read_convert_json", "is_conversion", "record_outputs",
            "verify_conversion", "has_outputs_manifest", "REPORT_OUTPUTS", "read_manifest", "export_dir_of"]

@@ -82,6 +82,8 @@ class ConvertConfig:
     distill_teacher: str | None = None
     distill_data: str | None = None
     distill_tokens: int | None = None
+    #: Adam steps per layer of the layer-wise MLA refit (kvexport.mla.refit); None / 0: no refit
+    refit_steps: int | None = None
     target: str = "onnx"
     fp16: bool = False
     #: how the exported cache stores K/V (or the MLA latent): fp32, fp16, bf16, int8, fp8 (docs/quantized.md);
@@ -184,7 +186,7 @@ class ConvertConfig:
             setattr(self, name, iv)
 
         for name in ("mla_rank", "rope_dim", "budget", "window", "neighbors", "lookahead", "chunk", "max_positions",
-                     "choose_context", "decode_batch", "distill_tokens",
+                     "choose_context", "decode_batch", "distill_tokens", "refit_steps",
                      "decode_steps", "validate_steps", "repeats", "seed"):
             as_int(name)
         for name in ("min_agreement", "max_ppl_increase", "min_recall"):
@@ -287,6 +289,11 @@ class ConvertConfig:
             raise BadUsage(f"--decode-batch {self.decode_batch} must be >= 0 (0: no batched decode graph)")
         if self.max_positions is not None and self.max_positions < 1:
             raise BadUsage(f"--max-positions {self.max_positions} must be >= 1 token")
+        if self.refit_steps is not None:
+            if self.refit_steps < 0:
+                raise BadUsage(f"--refit-steps {self.refit_steps} must be >= 0 (0: no refit)")
+            if self.refit_steps and not self.uses_mla:
+                raise BadUsage("--refit-steps repairs the MLA rewrite: add --mla-rank R or --mla-energy δ")
         if self.distill_teacher is None and (self.distill_data is not None or self.distill_tokens is not None):
             raise BadUsage("--distill-data/--distill-tokens need a teacher: add --distill-teacher MODEL")
         if self.distill_teacher is not None:

@@ -194,14 +194,30 @@ def stage_rewrite(st: ConvertState) -> str:
     # tensors, is dropped first, and the Decoder is rewritten in place, each layer's GQA projections freed in turn
     dec = st.decoder
     release(st, "decoder", "hf")
-    dec = rewrite_to_mla(dec, mla_settings(st.cfg), progress=st.progress, inplace=True)
+    refit, calib = None, None
+    if st.cfg.refit_steps:
+        from kvexport.eval.data import calibration_windows
+        from kvexport.mla.refit import RefitSettings
+        from kvexport.models.loading import load_tokenizer
+
+        refit = RefitSettings(steps=int(st.cfg.refit_steps))
+        calib = calibration_windows(load_tokenizer(st.model_path), refit.sequences, refit.seq_len, st.spec.vocab_size,
+                                    seed=st.cfg.seed)
+    dec = rewrite_to_mla(dec, mla_settings(st.cfg), calib, progress=st.progress, inplace=True, refit=refit)
     st.mla_decoder = dec
     save_mla(dec, st.work / layout.MLA_DIR, tokenizer_dir=st.model_path, hf_config=_hf_config(st.model_path))
     ranks = [p.kv_rank for p in dec.mla_plans]
     st.notes["mla_ranks"] = ranks
     full = 2 * st.spec.num_kv_heads * st.spec.head_dim
     per = sum(r + st.cfg.rope_dim for r in ranks) / len(ranks)
-    return f"MLA r_kv {_ranks_text(ranks)}, d_rope {st.cfg.rope_dim}: {full / per:.1f}× smaller per token"
+    line = f"MLA r_kv {_ranks_text(ranks)}, d_rope {st.cfg.rope_dim}: {full / per:.1f}× smaller per token"
+    if refit is not None:
+        fit = dec.refit_summary
+        _write_json(st.work / layout.REFIT_JSON, fit)
+        st.notes["refit"] = {k: fit[k] for k in ("steps", "tokens", "lr", "seconds", "loss_before", "loss_after")}
+        line += (f"; refit {fit['steps']} steps x {len(fit['layers'])} layers on {fit['tokens']} tokens in "
+                 f"{fit['seconds']:.0f} s: attention error {fit['loss_before']:.3f} -> {fit['loss_after']:.3f}")
+    return line
 
 
 def stage_distill(st: ConvertState) -> str:

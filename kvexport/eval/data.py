@@ -141,3 +141,19 @@ def train_tokens(tokenizer, n_tokens: int, seed: int = 0) -> torch.Tensor:
         if len(out) >= n_tokens:
             break
     return torch.tensor(out, dtype=torch.long)
+
+
+def calibration_windows(tokenizer, n: int, length: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
+    """(n, length) token ids of bundled calibration text, for fitting a model to (the MLA refit): alternately the
+    Python documentation's calibration prose pages and the standard library's train split (neither is read by a
+    conversion's fidelity measures, which use the held-out splits); seeded random ids when there is no tokenizer."""
+    if tokenizer is None:
+        return torch.randint(0, vocab_size, (n, length), generator=torch.Generator().manual_seed(seed))
+    prose = prose_stream(tokenizer, "calibration")
+    code = train_tokens(tokenizer, ((n + 1) // 2) * length, seed=seed)
+    rows = []
+    for i in range(n):
+        src, k = (prose if i % 2 == 0 else code), i // 2
+        m = src.numel() // length
+        rows.append(src[(k % m) * length : (k % m + 1) * length] if m else src.new_zeros(length))
+    return torch.stack(rows).clamp_(max=vocab_size - 1)

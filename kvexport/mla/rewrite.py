@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import copy
 import gc
+import time
+from dataclasses import replace
 
 import torch
 
-from kvexport.errors import BadModel
+from kvexport.errors import BadModel, BadUsage
 from kvexport.mla.attention import MLAAttention
+from kvexport.mla.calibration import calibration_inputs
 from kvexport.mla.config import MLALayerPlan, MLASettings
 from kvexport.mla.rank import energy_rank, truncated_svd
 from kvexport.mla.rope_plan import rope_plan
@@ -44,27 +47,25 @@ from kvexport.models.release import drop_file_pages
 RIDGE = 1e-6
 
 
-@torch.no_grad()
-def calibration_inputs(dec: Decoder, ids: torch.Tensor) -> list[torch.Tensor]:
-    """ids (B, T) -> per layer the attention inputs (B·T, H) (after input_layernorm), from the original model."""
-    caught: list[torch.Tensor] = []
-    hooks = [layer.self_attn.register_forward_pre_hook(lambda m, a: caught.append(a[0].reshape(-1, a[0].shape[-1])))
-             for layer in dec.layers]
-    try:
-        B, T = ids.shape
-        dec(ids, torch.arange(T, device=ids.device).expand(B, T))
-    finally:
-        for hk in hooks:
-            hk.remove()
-    return [c.double().cpu() for c in caught]
-
-
 def _lin(lin: torch.nn.Linear):
     return lin.weight.detach().double().cpu(), (lin.bias.detach().double().cpu() if lin.bias is not None else None)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@torch.no_grad()
+def latent_inputs(attn: GQAAttention, x: torch.Tensor) -> torch.Tensor:
+    """x (N, H) float64 attention inputs -> u (N, U) float64, the MLA latent projections' inputs: x, and for a q/k-norm
+    model (Qwen3) also its normed keys (see :mod:`kvexport.mla.attention`)."""
+    spec = attn.spec
+    if not spec.qk_norm:
+        return x
+    Wk, bk = _lin(attn.k_proj)
+    k = (x @ Wk.T + (bk if bk is not None else 0)).view(x.shape[0], spec.num_kv_heads, spec.head_dim)
+    k = _rms(k, attn.k_norm.weight.detach().double().cpu(), spec.rms_norm_eps)
+    return torch.cat([x, k.reshape(x.shape[0], -1)], dim=1)  # (N, H + KV)
 
 
 @torch.no_grad()
@@ -85,17 +86,17 @@ def plan_layer(attn: GQAAttention, settings: MLASettings, x: torch.Tensor | None
     Wv, bv = _lin(attn.v_proj)
     # ---- 1. calibration queries, keys (pre-RoPE) and the latent inputs u with their linear maps to k and v
     q = (x @ Wq.T + (bq if bq is not None else 0)).view(N, Hq, D)
-    k = (x @ Wk.T + (bk if bk is not None else 0)).view(N, Hkv, D)
+    u = latent_inputs(attn, x)
     zeros_b = torch.zeros(KV, dtype=torch.float64)
     if spec.qk_norm:
         q = _rms(q, attn.q_norm.weight.detach().double().cpu(), spec.rms_norm_eps)
-        k = _rms(k, attn.k_norm.weight.detach().double().cpu(), spec.rms_norm_eps)
-        u = torch.cat([x, k.reshape(N, KV)], dim=1)  # (N, H + KV)
+        k = u[:, H:].reshape(N, Hkv, D).contiguous()
         W_ku = torch.cat([torch.zeros(KV, H, dtype=torch.float64), torch.eye(KV, dtype=torch.float64)], dim=1)
         b_ku = zeros_b
         W_vu = torch.cat([Wv, torch.zeros(KV, KV, dtype=torch.float64)], dim=1)
     else:
-        u, W_ku, b_ku, W_vu = x, Wk, (bk if bk is not None else zeros_b), Wv
+        k = (x @ Wk.T + (bk if bk is not None else 0)).view(N, Hkv, D)
+        W_ku, b_ku, W_vu = Wk, (bk if bk is not None else zeros_b), Wv
     b_v = bv if bv is not None else zeros_b
     # ---- 2. RoPE part
     rp = rope_plan(q, k, attn.rotary.inv_freq.double().cpu(), settings)
@@ -220,7 +221,7 @@ def default_calibration(spec, device=None) -> torch.Tensor:
 
 @torch.no_grad()
 def rewrite_to_mla(model, settings: MLASettings, calibration_ids: torch.Tensor | None = None,
-                   progress=None, inplace: bool = False) -> Decoder:
+                   progress=None, inplace: bool = False, refit=None) -> Decoder:
     """A Decoder (or HF ``*ForCausalLM``) -> a new Decoder whose attention layers are :class:`MLAAttention`.
 
     calibration_ids (B, T): text for the statistics of every init (default: :func:`default_calibration`).
@@ -232,6 +233,10 @@ def rewrite_to_mla(model, settings: MLASettings, calibration_ids: torch.Tensor |
     tensors: the HF model keeps its own references, so a caller that wants the memory back drops it too (as
     ``kvexport convert`` does before its rewrite).
     progress: called with ``"rewrite: layer i/L"`` before each layer's factorisation (convert shows it with an ETA).
+    refit: a :class:`~kvexport.mla.refit.RefitSettings`: each new layer's projections are then fitted to the original
+    attention's outputs on the calibration inputs (:func:`kvexport.mla.refit.refit_layer`) before the next layer is
+    rewritten, and int8 equalization (``settings.equalize_latent``) applies to the fitted weights; the per-layer
+    results are kept as ``new.refit_summary``. Needs ``calibration_ids`` (text: the fit learns what they show).
     Raises :class:`~kvexport.errors.BadUsage` for settings the model cannot take, :class:`BadModel` for a
     model that is not a kvexport GQA decoder with RoPE, or whose layers use a sliding window (MLA attention
     attends to every cached token).
@@ -251,25 +256,39 @@ def rewrite_to_mla(model, settings: MLASettings, calibration_ids: torch.Tensor |
     settings.check_model(spec.head_dim, spec.hidden_size, spec.num_kv_heads, spec.qk_norm)
     p = next(dec.parameters())
     if calibration_ids is None:
+        if refit is not None:
+            raise BadUsage("an MLA refit needs calibration text (calibration_ids)")
         calibration_ids = default_calibration(spec)
     xs = calibration_inputs(dec, calibration_ids.to(p.device))
+    B, T = calibration_ids.shape
+    plan_settings = replace(settings, equalize_latent=False) if refit is not None else settings
+    fits = []
     new = dec if inplace else copy.deepcopy(dec)
     del p  # no reference to a parameter survives the loop (in place, the first layer's q_proj would)
     param = next(new.parameters())
     dtype, device = param.dtype, param.device
     del param
     plans = []
+    t0 = time.perf_counter()
     for i, layer in enumerate(new.layers):
-        if progress is not None:
+        if progress is not None and refit is None:
             progress(f"rewrite: layer {i + 1}/{len(new.layers)}")
-        plan, weights = plan_layer(dec.layers[i].self_attn, settings, xs[i])
-        xs[i] = None  # type: ignore[call-overload]  # this layer's activations are not read again
+        elif progress is not None:  # a refit takes minutes: the time left, from the layers done so far
+            left = (time.perf_counter() - t0) / i * (len(new.layers) - i) if i else None
+            progress(f"rewrite + refit: layer {i + 1}/{len(new.layers)}"
+                     + (f", about {left / 60:.0f} min left" if left is not None else ""))
+        original = dec.layers[i].self_attn
+        plan, weights = plan_layer(original, plan_settings, xs[i])
         attn = MLAAttention(spec, plan, dec.rotary, absorb=settings.absorb)
         state = {k: v.to(dtype) for k, v in weights.items()}
         del weights
         state.update({k: v for k, v in attn.state_dict().items() if k.endswith("inv_freq")})
         attn.load_state_dict(state, strict=True)
         del state
+        if refit is not None:
+            fits.append(_refit(original, attn.to(device=device, dtype=dtype), xs[i].view(B, T, -1), settings, refit))
+        xs[i] = None  # type: ignore[call-overload]  # this layer's activations are not read again
+        del original
         if inplace:  # the GQA projections are not read again: their checkpoint pages leave the RSS with them
             drop_file_pages(list(layer.self_attn.parameters()))
         layer.self_attn = attn.to(device=device, dtype=dtype)  # in place: the GQA projections lose their last reference
@@ -284,7 +303,25 @@ def rewrite_to_mla(model, settings: MLASettings, calibration_ids: torch.Tensor |
     new.source_model = str(src) if src else None  # type: ignore[attr-defined]  # recorded by save_mla
     new.mla_settings = settings  # type: ignore[attr-defined]
     new.mla_plans = plans  # type: ignore[attr-defined]
+    if refit is not None:
+        from kvexport.mla.refit import summary
+
+        new.refit_summary = summary(fits, refit, B * T)  # type: ignore[attr-defined]
     return new.eval()
+
+
+def _refit(original: GQAAttention, attn: MLAAttention, x: torch.Tensor, settings: MLASettings, refit) -> dict:
+    """Fit one new layer (kvexport.mla.refit), then equalize its latent (int8) from the fitted weights."""
+    from kvexport.mla.refit import refit_layer
+
+    x = x.to(device=next(attn.parameters()).device, dtype=next(attn.parameters()).dtype)
+    got = refit_layer(original, attn, x, refit)
+    if settings.equalize_latent:
+        w = {k: v.detach().double().cpu() for k, v in attn.state_dict().items() if not k.endswith("inv_freq")}
+        equalize_latent(w, latent_inputs(original, x.reshape(-1, x.shape[-1]).double().cpu()))
+        for k, v in w.items():
+            attn.state_dict()[k].copy_(v)
+    return got
 
 
 def set_absorb(dec: Decoder, absorb: bool) -> Decoder:

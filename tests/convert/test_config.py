@@ -25,6 +25,8 @@ REFUSALS = [
     (["--distill-tokens", "100"], "need a teacher"),
     (["--distill-teacher", "T", "--distill-data", "x.txt"], "distillation repairs the MLA rewrite"),
     (["--mla-rank", "16", "--distill-teacher", "T"], "needs --distill-data"),
+    (["--refit-steps", "10"], "--refit-steps repairs the MLA rewrite: add --mla-rank R"),
+    (["--mla-rank", "16", "--refit-steps", "-1"], "--refit-steps -1 must be >= 0"),
     (["--allow-partial"], "--allow-partial only applies to --target tensorrt"),
     (["--target", "tpu"], "not one of: onnx, tensorrt"),
     (["--press", "nosuch", "--budget", "300"], "unknown press 'nosuch'"),

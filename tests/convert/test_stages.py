@@ -70,3 +70,28 @@ def test_energy_rank_per_layer(tiny_hf_dir, tmp_path):
     assert st.notes["mla_ranks"] == ranks and all(r % 8 == 0 for r in ranks)
     shape = cache_shape_of(work, cfg.to_dict(), spec)
     assert shape.bytes_per_token() == sum(r + 16 for r in ranks) * 4  # fp32 latent + d_rope per layer
+
+
+def test_rewrite_with_refit(tiny_hf_dir, tmp_path):
+    """--refit-steps: the rewrite stage fits every layer on the bundled calibration text, says so in its line, and
+    keeps the per-layer numbers in DIR/refit.json; DIR/mla is the fitted model."""
+    from kvexport.convert.stages import ConvertState, resolve_settings, stage_load, stage_rewrite
+    from kvexport.layout import REFIT_JSON
+    from kvexport.mla.io import load_mla
+
+    cfg, path, spec = resolve_settings(ConvertConfig(model=str(tiny_hf_dir), mla_rank=8, rope_dim=4, refit_steps=5))
+    work = tmp_path / "w"
+    work.mkdir()
+    st = ConvertState(cfg=cfg, model_path=path, work=work, spec=spec)
+    stage_load(st)
+    note = stage_rewrite(st)
+    fit = json.loads((work / REFIT_JSON).read_text())
+    assert f"refit 5 steps x {spec.num_layers} layers on 2048 tokens" in note
+    assert len(fit["layers"]) == spec.num_layers and fit["steps"] == 5 and fit["tokens"] == 2048
+    assert all(r["loss_after"] <= r["loss_before"] for r in fit["layers"])
+    assert any(r["fitted"] for r in fit["layers"])
+    assert st.notes["refit"]["loss_after"] == fit["loss_after"]
+    ids = torch.arange(3, 40)[None]
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        torch.testing.assert_close(load_mla(work / "mla")(ids, pos), st.mla_decoder(ids, pos))

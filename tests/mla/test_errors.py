@@ -37,6 +37,8 @@ CASES = [
     (["rewrite", "{hf}", "--mla-energy", "0", "--rope-dim", "8"], 2, "outside (0, 1]"),
     (["rewrite", "{hf}", "--mla-energy", "1.5", "--rope-dim", "8"], 2, "outside (0, 1]"),
     (["rewrite", "{hf}", "--rope-dim", "8"], 2, "exactly one of"),
+    (["rewrite", "{hf}", "--mla-rank", "16", "--rope-dim", "8", "--refit-steps", "-1"], 2,
+     "--refit-steps -1 must be >= 0"),
     (["rewrite", "{d}/nope", "--mla-rank", "8", "--rope-dim", "8"], 3, "does not exist"),
     (["distill", "{hf}", "--mla-rank", "16", "--rope-dim", "8", "--teacher", "{d}/other_vocab", "--data",
       "{d}/data.txt", "--tokens", "64", "--seq-len", "16"], 3, "teacher vocabulary (96 tokens) differs"),

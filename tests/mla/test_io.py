@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -181,3 +182,23 @@ def test_load_mla_holds_the_weights_once(tmp_path):
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert float(r.stdout.strip().splitlines()[-1]) < 0.6
+
+
+def test_rewrite_cli_refit(tmp_path, capsys):
+    """kvexport rewrite --refit-steps: the saved model's new projections are fitted (the command prints the attention
+    error before and after), the queries and o_proj are the plain rewrite's (the original's)."""
+    from kvexport.cli import main
+    from tests.mla.distill_fixtures import model_dir
+
+    src = model_dir(tmp_path / "hf")
+    assert main(["rewrite", str(src), "--mla-rank", "8", "--rope-dim", "4", "--out", str(tmp_path / "plain")]) == 0
+    capsys.readouterr()
+    assert main(["rewrite", str(src), "--mla-rank", "8", "--rope-dim", "4", "--refit-steps", "4",
+                 "--out", str(tmp_path / "fit")]) == 0
+    line = capsys.readouterr().out
+    assert "refit 4 steps x" in line and "on 2048 tokens" in line
+    before, after = (float(x) for x in re.search(r"attention error ([0-9.]+) -> ([0-9.]+)", line).groups())
+    assert after < before
+    plain, fit = load_mla(tmp_path / "plain"), load_mla(tmp_path / "fit")
+    a, b = plain.layers[0].self_attn, fit.layers[0].self_attn
+    assert torch.equal(a.q_proj.weight, b.q_proj.weight) and torch.equal(a.o_proj.weight, b.o_proj.weight)
