@@ -21,8 +21,8 @@ def serve_cmd(
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8000, help="TCP port (0: any free port, printed at start)."),
     backend: str = typer.Option("onnxruntime", help="onnxruntime, tensorrt (engines from `kvexport build-engine`) "
-                                "or pytorch (kvexport's decoder, the export's source model; the reference path, slot "
-                                "by slot)."),
+                                "or pytorch (kvexport's decoder on the export's source model, the decoding slots in one "
+                                "batched forward)."),
     max_sequences: Optional[int] = typer.Option(None, "--max-sequences", help="Sequences decoded at once, each in "
                                                 "its own fixed cache slot; more wait in a queue. Default: the "
                                                 "export's --decode-batch, else 4."),

@@ -179,34 +179,90 @@ class Decoder(nn.Module):
             h = self.norm(h[:, -1:] if last_only else h)
             logits = self.lm_head(h)
             return (logits, h) if output_hidden else logits
-        if mode == "prefill":
-            step = cache.begin_prefill(T)
-            fills = step.fills
-        elif mode == "decode":
+        if mode == "decode":
             if T != 1:
                 raise BadUsage(f"decode takes one token per row, got {T}")
-            step = cache.begin_decode()
-            fills = step.slots
-        else:
-            raise BadUsage(f"mode {mode!r} is not one of: prefill, decode")
-        all_positions = positions if tail_ids is None else torch.cat([positions, tail_positions], dim=1)
-        for i, layer in enumerate(self.layers):
-            attn, lc = layer.self_attn, cache.layers[i]
-            h, k_new, v_new, q_pre = layer(h, all_positions, *lc.view(fills[i]))
-            q_score = attn.score_queries(q_pre) if cache.press is not None else None
-            if tail_ids is not None:  # the chunk's rows join the cache, the tail's queries observe (rule 3b)
-                k_new, v_new, q_score = k_new[:, :, :T], v_new[:, :, :T], q_score[:, :, T:]
-            new_pos = positions[:, None, :].expand(B, k_new.shape[1], T)
-            if mode == "prefill":
+            h = self._decode_layers(h, positions, [cache])
+        elif mode == "prefill":
+            step = cache.begin_prefill(T)
+            fills = step.fills
+            all_positions = positions if tail_ids is None else torch.cat([positions, tail_positions], dim=1)
+            for i, layer in enumerate(self.layers):
+                attn, lc = layer.self_attn, cache.layers[i]
+                h, k_new, v_new, q_pre = layer(h, all_positions, *lc.view(fills[i]))
+                q_score = attn.score_queries(q_pre) if cache.press is not None else None
+                if tail_ids is not None:  # the chunk's rows join the cache, the tail's queries observe (rule 3b)
+                    k_new, v_new, q_score = k_new[:, :, :T], v_new[:, :, :T], q_score[:, :, T:]
+                new_pos = positions[:, None, :].expand(B, k_new.shape[1], T)
                 lc.prefill(cache.press, fills[i], step.compacts[i], k_new, v_new, new_pos, q_score,
                            positions if tail_ids is None else tail_positions, own_observers=tail_ids is None)
-            else:
-                lc.append(fills[i], step.query_slot if cache.press is not None else None, k_new, v_new, new_pos,
-                          q_score, positions)
-        if mode == "prefill":
             cache.end_prefill(step)
         else:
-            cache.end_decode(step)
+            raise BadUsage(f"mode {mode!r} is not one of: prefill, decode")
         h = self.norm(h[:, T - 1:T] if last_only else h[:, :T])
         logits = self.lm_head(h)
         return (logits, h) if output_hidden else logits
+
+    @torch.no_grad()
+    def decode_caches(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[StaticCache]) -> torch.Tensor:
+        """One decode step of several independent caches in one batch: ``caches[j]`` holds rows
+        ``[sum of the earlier caches' rows, + its own)`` of input_ids / positions (B, 1). Each cache follows its own
+        plan (its own fills, slots and compactions), exactly as :meth:`forward` with ``mode="decode"`` would step it
+        alone; the weights are read once for all rows. -> logits (B, 1, V)."""
+        if input_ids.shape[1] != 1:
+            raise BadUsage(f"decode takes one token per row, got {input_ids.shape[1]}")
+        if sum(c.layers[0].k.shape[0] for c in caches) != input_ids.shape[0]:
+            raise BadUsage(f"{input_ids.shape[0]} rows for caches of {[c.layers[0].k.shape[0] for c in caches]} rows")
+        if len({c.press is None for c in caches}) > 1:
+            raise BadUsage("caches decoded together either all evict or none does")
+        h = self._decode_layers(self.embed_tokens(input_ids), positions, caches)
+        return self.lm_head(self.norm(h))
+
+    def _decode_layers(self, h: torch.Tensor, positions: torch.Tensor, caches: list[StaticCache]) -> torch.Tensor:
+        """Plan rule 4 for every cache (a token per row at its slot; a compaction where a layer is full), the
+        layers run once over all rows: each layer attends over every cache's occupied slots, a shorter one padded
+        with empty slots (position -1, which no query sees: :mod:`kvexport.cache.visibility`)."""
+        steps = [c.begin_decode() for c in caches]
+        rows = [c.layers[0].k.shape[0] for c in caches]
+        evicting = caches[0].press is not None
+        B = h.shape[0]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            views = [c.layers[i].view(st.slots[i]) for c, st in zip(caches, steps, strict=True)]
+            past = views[0] if len(views) == 1 else _stack_views(views)
+            h, k_new, v_new, q_pre = layer(h, positions, *past)
+            q_score = attn.score_queries(q_pre) if evicting else None
+            new_pos = positions[:, None, :].expand(B, k_new.shape[1], 1)
+            at = 0
+            for c, st, n in zip(caches, steps, rows, strict=True):
+                r = slice(at, at + n)
+                at += n
+                c.layers[i].append(st.slots[i], st.query_slot if evicting else None, k_new[r], v_new[r], new_pos[r],
+                                   None if q_score is None else q_score[r], positions[r])
+        for c, st in zip(caches, steps, strict=True):
+            c.end_decode(st)
+        return h
+
+
+def _stack_views(views: list[tuple]) -> tuple:
+    """Several caches' (k, v, pos) views (B_j, Hc, S_j, .) -> one (sum B_j, Hc, max S_j, .): the shorter ones padded
+    with zero rows at position -1 (never visible). Keys handed as QuantizedRows are padded as codes and scales."""
+    from kvexport.cache.quant import QuantizedRows
+
+    S = max(int(v[2].shape[2]) for v in views)
+
+    def pad(t: torch.Tensor, value) -> torch.Tensor:
+        n = S - t.shape[2]
+        if n == 0:
+            return t
+        shape = list(t.shape)
+        shape[2] = n
+        return torch.cat([t, t.new_full(shape, value)], dim=2)
+
+    ks = [v[0] for v in views]
+    if isinstance(ks[0], QuantizedRows):
+        k = QuantizedRows(torch.cat([pad(q.codes, 0) for q in ks]), torch.cat([pad(q.scale, 0) for q in ks]),
+                          ks[0].fmt)
+    else:
+        k = torch.cat([pad(t, 0) for t in ks])
+    return k, torch.cat([pad(v[1], 0) for v in views]), torch.cat([pad(v[2], -1) for v in views])

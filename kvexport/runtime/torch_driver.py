@@ -99,4 +99,32 @@ class TorchDriver(Driver):
         self.cache = None
 
 
-__all__ = ["TorchDriver"]
+class TorchBatch:
+    """Decode steps of several :class:`TorchDriver` s (each its own batch-1 cache) in one batched forward
+    (:meth:`kvexport.models.decoder.Decoder.decode_caches`): the host that
+    :func:`kvexport.runtime.loop.decode_together` calls for drivers whose ``host`` it is. ``batch_from``: the fewest
+    decoding drivers that go through it (fewer decode one by one)."""
+
+    def __init__(self, decoder, batch_from: int = 2):
+        self.decoder = decoder
+        self.batch_from = max(1, int(batch_from))
+
+    def batches(self, n: int) -> bool:
+        return n >= self.batch_from
+
+    @torch.no_grad()
+    def decode_slots(self, drivers: list[TorchDriver], tokens: np.ndarray, positions: np.ndarray) -> list:
+        """One decode step of every driver (token ``tokens[j]`` at ``positions[j]``) -> per driver (logits (1, V),
+        compacted)."""
+        caches = [d.cache for d in drivers]
+        if any(c is None for c in caches):
+            raise BadUsage("the PyTorch cache is made for a prompt; start a stream first")
+        before = [c.compactions for c in caches]
+        dev = drivers[0].device
+        ids = torch.as_tensor(np.asarray(tokens, np.int64).reshape(-1, 1), device=dev)
+        pos = torch.as_tensor(np.asarray(positions, np.int64).reshape(-1, 1), device=dev)
+        logits = self.decoder.decode_caches(ids, pos, caches)[:, -1]
+        return [(logits[j : j + 1], c.compactions > b) for j, (c, b) in enumerate(zip(caches, before, strict=True))]
+
+
+__all__ = ["TorchDriver", "TorchBatch"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvexport.errors import BadUsage
 from kvexport.serve.backends.graphs import GraphSlots
 from kvexport.serve.engine import Engine, Sequence
 from kvexport.serve.sampling import SamplingParams
@@ -78,20 +77,27 @@ def assert_equal_library_runs(seqs: list[Sequence], solo) -> None:
         assert_same_kept(s.compactions, forced.compaction_steps, forced.kept_positions)
 
 
-def test_pytorch_backend_equals_library_generate(export_dir, tokenizer, solo):
+@pytest.mark.parametrize("decode", ["auto", "batched", "rows"])
+def test_pytorch_backend_equals_library_generate(export_dir, tokenizer, solo, decode):
+    """The PyTorch backend's slots (decoded in one batched forward, or one by one) give the library path's tokens,
+    compactions and kept positions for every sequence."""
     from kvexport.serve.backends.torch_slots import TorchSlots
 
-    backend = TorchSlots(export_dir, max_sequences=2)
-    assert not backend.batched
+    backend = TorchSlots(export_dir, max_sequences=2, decode=decode)
+    assert backend.batched == (decode != "rows")
+    calls = []
+    if backend.batched:  # count the batched steps: the run must have decoded its slots together
+        host = backend.driver(0).host
+        inner = host.decode_slots
+        host.decode_slots = lambda drivers, *a: calls.append(len(drivers)) or inner(drivers, *a)
     seqs, _ = run(backend, tokenizer)
     assert_equal_library_runs(seqs, solo)
-
-
-def test_pytorch_backend_refuses_batched_decode(export_dir):
-    from kvexport.serve.backends.torch_slots import TorchSlots
-
-    with pytest.raises(BadUsage, match="the PyTorch backend decodes slot by slot"):
-        TorchSlots(export_dir, max_sequences=2, decode="batched")
+    if decode == "auto":
+        assert calls and min(calls) == 2
+    elif decode == "batched":
+        assert 1 in calls and 2 in calls
+    else:
+        assert not calls
 
 
 @pytest.mark.parametrize("decode", ["batched", "rows"], ids=["decode_batch", "slot-by-slot"])
