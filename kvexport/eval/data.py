@@ -62,7 +62,7 @@ def heldout_stream(tokenizer) -> torch.Tensor:
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     out: list[int] = []
     for text in heldout_texts():
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
         out += ([bos] if bos is not None else []) + ids + ([eos] if eos is not None else [])
     stream = torch.tensor(out, dtype=torch.long)
     _STREAMS[id(tokenizer)] = (tokenizer, stream)
@@ -104,7 +104,7 @@ def prose_stream(tokenizer, split: str = "heldout") -> torch.Tensor:
     hit = _PROSE.get(key)
     if hit is not None and hit[0] is tokenizer:
         return hit[1]
-    ids = tokenizer("\n\n".join(prose_pages(split)), add_special_tokens=False)["input_ids"]
+    ids = tokenizer("\n\n".join(prose_pages(split)), add_special_tokens=False, verbose=False)["input_ids"]
     stream = torch.tensor(ids, dtype=torch.long)
     _PROSE[key] = (tokenizer, stream)
     return stream
@@ -136,7 +136,7 @@ def train_tokens(tokenizer, n_tokens: int, seed: int = 0) -> torch.Tensor:
         text = read_text(rel)
         if text is None:
             continue
-        out += ([bos] if bos is not None else []) + tokenizer(text, add_special_tokens=False)["input_ids"]
+        out += ([bos] if bos is not None else []) + tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
         out += [eos] if eos is not None else []
         if len(out) >= n_tokens:
             break
