@@ -84,12 +84,16 @@ class LayerCache:
         """The first ``fill`` slots as attention reads them (besides its own tokens): k, v in the model's dtype
         (dequantized / converted copies for a lossy format; the buffers themselves otherwise), pos. An attention
         module with ``reads_quantized`` gets the keys as :class:`~kvexport.cache.quant.QuantizedRows` instead."""
-        k, v, ks, vs = self.stored(fill)
+        return self.read(*self.stored(fill), self.pos[:, :, :fill])
+
+    def read(self, k, v, ks, vs, pos) -> tuple:
+        """Stored rows (as :meth:`stored` gives them, of this cache or several stacked) and their positions -> what
+        attention reads (:meth:`view`)."""
         if self.fmt.quantized and self.reads_quantized:
-            return QuantizedRows(k, ks, self.fmt), decode(v, vs, self.fmt, self.dtype), self.pos[:, :, :fill]
+            return QuantizedRows(k, ks, self.fmt), decode(v, vs, self.fmt, self.dtype), pos
         if self.lossy:
             k, v = decode(k, ks, self.fmt, self.dtype), decode(v, vs, self.fmt, self.dtype)
-        return k, v, self.pos[:, :, :fill]
+        return k, v, pos
 
     def _scored(self, fill: int) -> tuple:
         """The first ``fill`` slots as a press scores them (what is stored, read back in the model's dtype)."""

@@ -228,8 +228,11 @@ class Decoder(nn.Module):
         B = h.shape[0]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            views = [c.layers[i].view(st.slots[i]) for c, st in zip(caches, steps, strict=True)]
-            past = views[0] if len(views) == 1 else _stack_views(views)
+            if len(caches) == 1:
+                past = caches[0].layers[i].view(steps[0].slots[i])
+            else:  # the stored rows stacked (int8 codes, not float copies), then read once
+                past = caches[0].layers[i].read(*_stack_stored([(c.layers[i], st.slots[i])
+                                                                for c, st in zip(caches, steps, strict=True)]))
             h, k_new, v_new, q_pre = layer(h, positions, *past)
             q_score = attn.score_queries(q_pre) if evicting else None
             new_pos = positions[:, None, :].expand(B, k_new.shape[1], 1)
@@ -244,12 +247,10 @@ class Decoder(nn.Module):
         return h
 
 
-def _stack_views(views: list[tuple]) -> tuple:
-    """Several caches' (k, v, pos) views (B_j, Hc, S_j, .) -> one (sum B_j, Hc, max S_j, .): the shorter ones padded
-    with zero rows at position -1 (never visible). Keys handed as QuantizedRows are padded as codes and scales."""
-    from kvexport.cache.quant import QuantizedRows
-
-    S = max(int(v[2].shape[2]) for v in views)
+def _stack_stored(layers: list) -> tuple:
+    """Several caches' layer (LayerCache, fill) -> their stored rows and positions (k, v, ks, vs, pos) stacked on the
+    batch axis, (sum B_j, Hc, max fill, .): the shorter ones padded with zero rows at position -1 (never visible)."""
+    S = max(int(f) for _, f in layers)
 
     def pad(t: torch.Tensor, value) -> torch.Tensor:
         n = S - t.shape[2]
@@ -259,10 +260,9 @@ def _stack_views(views: list[tuple]) -> tuple:
         shape[2] = n
         return torch.cat([t, t.new_full(shape, value)], dim=2)
 
-    ks = [v[0] for v in views]
-    if isinstance(ks[0], QuantizedRows):
-        k = QuantizedRows(torch.cat([pad(q.codes, 0) for q in ks]), torch.cat([pad(q.scale, 0) for q in ks]),
-                          ks[0].fmt)
-    else:
-        k = torch.cat([pad(t, 0) for t in ks])
-    return k, torch.cat([pad(v[1], 0) for v in views]), torch.cat([pad(v[2], -1) for v in views])
+    parts = [(*lc.stored(f), lc.pos[:, :, :f]) for lc, f in layers]
+    out = []
+    for j, value in enumerate((0, 0, 0, 0, -1)):
+        col = [p[j] for p in parts]
+        out.append(None if col[0] is None else torch.cat([pad(t, value) for t in col]))
+    return tuple(out)
