@@ -205,24 +205,24 @@ class FidelityRun:
             raise BadArtifact(f"the original model {self.orig_dir} has {hf.config.vocab_size} tokens, the export "
                               f"{self.s['vocab_size']}; pass the model it was converted from with --original")
         P, T = self.P, self.T
-        # only the scored positions' logits: the whole window's (P + T) x vocabulary floats were a transient of
-        # 0.28 GB on a 32k vocabulary at 2k tokens, 1.1 GB on Llama-3's 128k
-        keep = {"logits_to_keep": T + 1} if "logits_to_keep" in inspect.signature(hf.forward).parameters else {}
         try:
             for start, real, group in self._groups():
                 self.say(f"fidelity: text {start + 1}-{start + real}/{self.wins.shape[0]} ({P} + {T} tokens), "
                          "original")
-                with torch.no_grad():
-                    lo = hf(torch.from_numpy(group[:real, : P + T]), **keep).logits
-                lo = lo[:, :T] if keep else lo[:, P - 1 : P + T - 1]
+                ids = torch.from_numpy(group[:real, : P + T])
+                with torch.no_grad():  # the prefix in chunks, then the scored positions' logits only
+                    cache = _prefill_chunks(hf, ids[:, : P - 1])
+                    lo = hf(ids[:, P - 1 : P + T - 1], use_cache=True, **{_cache_kw(hf): cache}).logits
                 self.orig_logits.append(lo.float().numpy())
+                cache = lo = None
             pad = getattr(self.tokenizer, "pad_token_id", None) or 0
             for name, (examples, prompts, new) in self.tasks.items():
                 self.say(f"fidelity: recall probe {name} ({len(examples)} examples), original")
                 t = torch.from_numpy(prompts)
-                with torch.no_grad():
+                with torch.no_grad():  # generate goes on from a cache of the prompt but its last token
                     go = hf.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=new, min_new_tokens=new,
-                                     do_sample=False, pad_token_id=pad)[:, prompts.shape[1]:]
+                                     do_sample=False, pad_token_id=pad,
+                                     **{_cache_kw(hf): _prefill_chunks(hf, t[:, :-1])})[:, prompts.shape[1]:]
                 self.orig_recall[name] = go.tolist()
         finally:
             hf = None  # noqa: F841
@@ -271,6 +271,29 @@ class FidelityRun:
     @property
     def recall_context(self) -> int:
         return max(48, self.P)
+
+
+#: tokens per forward when the original model reads a long prefix: its eager attention holds (heads x chunk x
+#: keys) floats per call instead of (heads x prefix x prefix), 0.64 GB per window at SmolLM2's 4.2k-token default
+PREFILL_CHUNK = 512
+
+
+def _prefill_chunks(hf, ids, chunk: int = PREFILL_CHUNK):
+    """A transformers cache of ``ids`` (B, N) read by ``hf`` ``chunk`` tokens at a time (only each chunk's last
+    logits computed): the same keys and values as one forward over ``ids``, a bounded transient."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=hf.config)
+    last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(hf.forward).parameters else {}
+    for s in range(0, ids.shape[1], chunk):
+        hf(ids[:, s : s + chunk], use_cache=True, **last, **{_cache_kw(hf): cache})
+    return cache
+
+
+def _cache_kw(hf) -> str:
+    """What transformers calls a model's cache argument: ``cache`` from 5.x's rename on, ``past_key_values``
+    before it (forward and generate alike)."""
+    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
 
 
 def measure_fidelity(path, gen, tokenizer, original=None, eval_data=None, settings: FidelitySettings | None = None,

@@ -55,7 +55,7 @@ def twin_section(decoder, settings: dict, tokenizer, eval_data=None, fidelity_se
     factory = (lambda: press_from_dict(pd)) if pd is not None and settings["mode"] != "dynamic" else None
     out = twin_compare(decoder, wins, P, fs.scored, settings["kv_dtype"], factory,
                        window=int(kw.get("window") or settings.get("window") or DEFAULT_WINDOW), chunk=kw["chunk"],
-                       capacity=kw.get("capacity"), batch=8, progress=say)
+                       capacity=kw.get("capacity"), batch=1, progress=say)  # one window's transients at a time
     out["eval_data"] = desc
     out["label"] = f"{settings['kv_dtype']} cache vs its fp32 twin"
     return out
