@@ -183,6 +183,8 @@ _LATENT_ROWS = {
     rows = CastLike (deq, q)
 """,
 }
+#: the position rule is selected once per query position (``bias``, shared by the heads) and added to the logits: the
+#: same masked logits bit for bit as a Where over every head's (kvexport.models.attention.mask_bias)
 _LATENT_CACHE = """
     one = Constant <value_ints: ints = [1]> ()
     width = Shape <start: int = -1> (rows)
@@ -203,7 +205,9 @@ _LATENT_CACHE = """
     causal = LessOrEqual (lp, qp)
     visible = And (filled, causal)
     fmin = Constant <value_float: float = -3.4028234663852886e38> ()
-    masked = Where (visible, logits, fmin)
+    zerof = Constant <value_float: float = 0.0> ()
+    bias = Where (visible, zerof, fmin)
+    masked = Add (logits, bias)
     r0 = Constant <value_int: int = @rank> ()
     start = Constant <value_ints: ints = [0]> ()
     r = Reshape (r0, one)
@@ -229,7 +233,8 @@ _LATENT_TWO_PARTS = """
     nfilled = GreaterOrEqual (np, zero)
     ncausal = LessOrEqual (np, qp)
     nvisible = And (nfilled, ncausal)
-    nmasked = Where (nvisible, nlogits, fmin)
+    nbias = Where (nvisible, zerof, fmin)
+    nmasked = Add (nlogits, nbias)
     last = Constant <value_ints: ints = [-1]> ()
     m1 = ReduceMax <keepdims: int = 1> (masked, last)
     m2 = ReduceMax <keepdims: int = 1> (nmasked, last)
