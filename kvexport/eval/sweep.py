@@ -208,6 +208,7 @@ class Sweep:
 
                 buf = io.BytesIO()
                 torch.save(self._ref, buf)
+                self._ref_file().parent.mkdir(parents=True, exist_ok=True)  # a fresh machine has no cache yet
                 atomic_write_bytes(self._ref_file(), buf.getvalue())
         return self._ref
 
