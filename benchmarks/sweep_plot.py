@@ -119,33 +119,40 @@ def plot(summary: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     lines = defaultdict(list)
     for r in summary["rows"]:
         if r["bytes_8k"] is None or r["context"] != 4096:
             continue
         lines[r["variant"]].append(r)
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 7.5))
+    names = sorted(lines)
+    # one look per variant, the same on both panels: 20 colours, then the markers tell the rest apart
+    looks = {n: (plt.get_cmap("tab20")(i % 20), "osD^v"[(i // 20) % 5]) for i, n in enumerate(names)}
     for ax, key, label in ((axes[0], "agreement", "next-token agreement with the original at 4k"),
                            (axes[1], "passkey", "passkey accuracy (1.5k and 4k)")):
-        for name, rs in sorted(lines.items()):
-            rs = sorted(rs, key=lambda x: x["bytes_8k"])
+        for name in names:
+            rs = sorted(lines[name], key=lambda x: x["bytes_8k"])
             xs = [x["bytes_8k"] / 1e6 for x in rs if x[key] is not None]
             ys = [x[key] for x in rs if x[key] is not None]
             if not xs:
                 continue
-            style = "-o" if len(xs) > 1 else "s"
-            ax.plot(xs, ys, style, label=name, lw=2 if ("lookahead" in name) else 1, ms=4)
+            color, marker = looks[name]
+            ax.plot(xs, ys, "-" if len(xs) > 1 else "", marker=marker, color=color, label=name,
+                    lw=2 if ("lookahead" in name) else 1, ms=5)
         if summary["full_cache_bytes_8k"]:
             ax.axvline(summary["full_cache_bytes_8k"] / 1e6, color="k", ls=":", lw=1)
             ax.axvline(summary["full_cache_bytes_8k"] / 4e6, color="r", ls=":", lw=1)
         ax.set_xscale("log")
-        ax.set_xlabel("resident cache per sequence at 8k tokens, MB (dotted: full cache, red: 4x smaller)")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel("resident cache per sequence at 8k tokens, MB\n(black dotted: the full cache; red: 4x smaller)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7, loc="lower right", ncol=2)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=4, frameon=False)
+    fig.subplots_adjust(bottom=0.33, top=0.92, wspace=0.2)
     fig.suptitle("SmolLM2-135M-Instruct: what each cache keeps of the original, against the bytes it holds")
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
