@@ -151,8 +151,7 @@ def _attention_eager(q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos, 
     k = torch.cat([k_past, k_new], dim=2)
     v = torch.cat([v_past, v_new], dim=2)
     S = k.shape[2]
-    vis = visible(q_pos, torch.cat([pos_past, pos_new], dim=2), sliding_window)  # (B, Hc, T, S)
-    bias = torch.where(vis, 0.0, torch.finfo(torch.float32).min)
+    bias = mask_bias(q_pos, torch.cat([pos_past, pos_new], dim=2), sliding_window)[:, :, 0]  # (B, Hc, T, S)
     # one (batch, KV head) per SDPA batch entry, its G query heads sharing one key head and one bias: no G copies
     out = torch.nn.functional.scaled_dot_product_attention(
         q.reshape(B * Hc, Hq // Hc, T, Dk), k.reshape(B * Hc, 1, S, Dk), v.reshape(B * Hc, 1, S, v.shape[-1]),
@@ -278,8 +277,7 @@ class GQAAttention(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, q.dtype)  # (B, 1, D), halves repeated
         half = self.rotary.dim // 2
         # the position rule as an additive bias per query head (past_pos already holds this token's position)
-        vis = visible(positions, past_pos, self.sliding_window)  # (B, Hc, 1, S)
-        bias = torch.where(vis, 0.0, torch.finfo(torch.float32).min).to(q.dtype)
+        bias = mask_bias(positions, past_pos, self.sliding_window)[:, :, 0].to(q.dtype)  # (B, Hc, 1, S)
         if Hq != Hc:
             bias = bias.index_select(1, torch.arange(Hq, device=bias.device) // (Hq // Hc))
         out, k_cache, v_cache = ops.cache_step_attention.cache_step_attention(
