@@ -16,7 +16,10 @@ Buffers of one layer i (``Hc`` cache heads; names as the graphs' inputs)::
 A host holds its buffers once: memory is fixed whatever the number of steps. A full-cache export with a dynamic
 capacity axis (``dynamic_capacity``) is held in a bucket of :meth:`~kvexport.cache.plan.CachePlan.slots_for` slots
 (plan rule 7): a prompt gets the bucket of its length, a token that does not fit doubles it (the filled slots copied
-once, the graphs bound again), so a step reads O(filled) bytes, not the export's capacity.
+once, the graphs bound again), so a step reads O(filled) bytes, not the export's capacity. An evicting cache keeps
+its capacity, but with ``prefill_bucketed`` a prefill chunk is handed a copy of the bucket of its occupied slots
+(plan rule 7b; held for that call only, at most the cache's bytes), so a prompt's first chunks attend over what is
+filled.
 
 Rows: the host is a step driver (:mod:`kvexport.runtime.protocol`) over the export's batch; the server's bank of
 batch-1 slots, each with its own plan state, is the same host over rows of one bank (:mod:`kvexport.runtime.slots`).
@@ -309,9 +312,13 @@ class GraphHost(Driver):
             B = ids.shape[0]
             t_ids, t_pos = tail if tail is not None else (np.zeros((B, L), np.int64), np.full((B, L), -1, np.int64))
             feed_ids, feed_pos = np.concatenate([ids, t_ids], 1), np.concatenate([pos, t_pos], 1)
+        slots = self.plan.prefill_slots(rows.state.fills)
         step = rows.state.prefill(chunk.n_real)
+        arrays = self._inputs(rows, "prefill")
+        head = self._head_slots(arrays, slots)
         new = self.graphs.call("prefill", self._feeds("prefill", input_ids=feed_ids, positions=feed_pos),
-                               self._inputs(rows, "prefill"), {**rows.staging, "logits": rows.logits})
+                               {**arrays, **head}, {**rows.staging, "logits": rows.logits})
+        self.graphs.forget(head.values())
         if step.any_compaction:
             graph = "compact_prefill_tail" if tail is not None else "compact_prefill"
             kept = self.graphs.call(graph,
@@ -326,6 +333,20 @@ class GraphHost(Driver):
         if chunk.stop >= rows.columns:
             self._drop_staging(rows)
         return self._logits(rows), step.any_compaction
+
+    def _head_slots(self, arrays: dict, slots: int) -> dict:
+        """Plan rule 7b: the first ``slots`` slots of every cache buffer in ``arrays`` that holds more, as contiguous
+        copies (a graph binds contiguous buffers), held for one call. Empty when every buffer is that size."""
+        out = {}
+        for n, a in arrays.items():
+            if kind_of(n) not in ("kv", "scales", "positions") or a.shape[2] <= slots:
+                continue
+            part = a[:, :, :slots]
+            if not nbytes(a):  # an MLA cache's empty v_i: a buffer of its own (a view of nothing cannot be bound)
+                out[n] = self._array(tuple(part.shape), a.dtype.type if isinstance(a, np.ndarray) else a.dtype)
+            else:
+                out[n] = part.contiguous() if hasattr(part, "contiguous") else np.ascontiguousarray(part)
+        return out
 
     def _decode(self, rows: Rows, tokens: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, bool]:
         """Rule 4: the decode graph, the host writes where the plan says, the compaction if due."""

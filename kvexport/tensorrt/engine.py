@@ -110,20 +110,23 @@ def pin_scores_fp32(network, score_tensors: set[str], trt) -> int:
 
 
 def capacity_range(onnx_path: Path) -> tuple[int, int] | None:
-    """(smallest bucket, capacity) of a bucketed full-cache export's graph (its manifest beside it), else None."""
+    """(smallest bucket, capacity) of a bucketed full-cache export's graph, or of the prefill graph of an export with
+    prefill buckets (plan rules 7 and 7b; the manifest beside it), else None."""
     from kvexport.cache.plan import bucket_slots
 
     man = onnx_path.parent / "manifest.json"
     s = json.loads(man.read_text()).get("settings", {}) if man.is_file() else {}
-    if not s.get("dynamic_capacity"):
+    prefill = s.get("prefill_bucketed") and onnx_path.name == (s.get("graphs", {}).get("prefill") or {}).get("file")
+    if not (s.get("dynamic_capacity") or prefill):
         return None
     cap = int(min(s["capacities"]))
     return bucket_slots(1, cap), cap
 
 
 def capacity_profile(builder, config, onnx_path: Path, dynamic: dict[str, tuple]) -> None:
-    """One optimization profile for a bucketed full cache: axis 2 of every cache input from the smallest bucket to
-    the capacity (opt: the capacity); any other dynamic input is refused with one line."""
+    """One optimization profile for a bucketed cache axis (a full cache's graphs, an evicting cache's prefill): axis 2
+    of every cache input from the smallest bucket to the capacity (opt: the capacity); any other dynamic input is
+    refused with one line."""
     rng = capacity_range(onnx_path)
     for name, shape in dynamic.items():
         if rng is None or [k for k, d in enumerate(shape) if d < 0] != [2]:

@@ -81,6 +81,21 @@ def test_full_cache_refuses_what_does_not_fit():
         st.prefill(7)
 
 
+@pytest.mark.parametrize("fills,want", [([0, 0], 256), ([255, 256], 256), ([257, 100], 416), ([400, 400], 416)])
+def test_prefill_slots_are_the_bucket_of_the_most_filled_layer(fills, want):
+    """Rule 7b: budget 400 + window 16 = 416 slots; a chunk reads the power of two >= max(fills, 256), at most 416."""
+    plan = CachePlan((400, 400), 16, True, 96, static_chunk=True, prefill_bucketed=True)
+    assert plan.prefill_slots(fills) == want
+    assert CachePlan((400, 400), 16, True, 96, static_chunk=True).prefill_slots(fills) == 416  # not bucketed
+
+
+def test_prefill_buckets_need_an_evicting_cache_with_one_budget():
+    with pytest.raises(BadUsage, match="one budget"):
+        CachePlan((400, 300), 16, True, 96, prefill_bucketed=True)
+    with pytest.raises(BadUsage, match="one budget"):
+        CachePlan((400, 400), 0, False, 96, prefill_bucketed=True)
+
+
 def test_orders_put_invalid_entries_first_for_the_press_and_last_for_the_keep():
     """cache of 5 slots, 2 occupied; 4 columns, the first one padding."""
     o = orders(2, 1, 5, 4)
