@@ -15,6 +15,8 @@ Layout of an export directory (static caches)::
     decode.onnx            one token per row over the cache -> logits and its new rows (the host writes them)
     compact_prefill.onnx   a chunk's compaction: the best budget of [cache ; chunk] (absent without a press)
     compact_prefill_tail.onnx  the same, observed by the chunk's lookahead tail (only with a lookahead)
+    prefill_last.onnx      with a lookahead: the prompt's last chunk, which has no tail, as C columns (prefill.onnx
+                           would compute L columns of padding for it)
     compact.onnx           decode-time compaction of every layer (absent without a press)
     weights.data   every graph's weights (initializers >= 1 KiB), each tensor once: the graphs share it by offset
     tokenizer/     the source model's tokenizer files, when it has them
@@ -259,7 +261,7 @@ def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: P
     kv, new = graphs.kv_names(shapes), graphs.new_names(shapes, wq)
     traced, dyn = _capacity_axis(shapes) if dynamic_capacity else (shapes, None)
     cache = kv_examples(traced, batch, td)
-    n_graphs = (4 if wq else 2) + bool(lookahead) + (decode_batch is not None) + bool(inplace_decode)
+    n_graphs = (4 if wq else 2) + 2 * bool(lookahead) + (decode_batch is not None) + bool(inplace_decode)
     files: dict[str, Any] = {}
 
     weights = SharedWeights(tmp)
@@ -284,10 +286,14 @@ def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: P
     export("prefill", prefill, (ids, pos, *p_cache), ["input_ids", "positions"] + kv,
            ["logits"] + new_prefill + tails, 1, p_dyn)
     ids, pos = ids[:, :chunk], pos[:, :chunk].contiguous()
+    if Lt:  # the prompt's last chunk has no tail: the same chunk graph without one
+        last = graphs.PrefillChunk(dec, press, budgets, window, kv_dtype)
+        export("prefill_last", last, (ids, pos, *p_cache), ["input_ids", "positions"] + kv,
+               ["logits"] + graphs.new_names(shapes, wq, last.full_rows), 2, p_dyn)
     ids1 = torch.zeros(batch, 1, dtype=torch.long)
     pos1 = torch.full((batch, 1), chunk, dtype=torch.long)
     export("decode", graphs.DecodeStep(dec, press, budgets, window, kv_dtype), (ids1, pos1, *cache),
-           ["input_ids", "positions"] + kv, ["logits"] + new, 2, dyn)
+           ["input_ids", "positions"] + kv, ["logits"] + new, 2 + bool(Lt), dyn)
     if wq:
         with torch.no_grad():
             full_pos = torch.arange(chunk + Lt).expand(batch, chunk + Lt).contiguous()
@@ -296,16 +302,17 @@ def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: P
         fill, one = torch.full((L,), 1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
         export("compact_prefill", graphs.CompactPrefill(dec, press, budgets, window, kv_dtype),
                (fill, one, pos, *cache, *chunk_rows), ["fill", "n_pad", "positions"] + kv + new_prefill,
-               graphs.kv_names(shapes, "kept_"), 3)
+               graphs.kv_names(shapes, "kept_"), 3 + bool(Lt))
         if Lt:
             tail_pos = full_pos[:, chunk:].contiguous()
             export("compact_prefill_tail", graphs.CompactPrefillTail(dec, press, budgets, window, kv_dtype),
                    (fill, one, pos, tail_pos, *cache, *chunk_rows, *tail_q),
                    ["fill", "n_pad", "positions", "tail_positions"] + kv + new_prefill + tails,
-                   graphs.kv_names(shapes, "kept_"), 4)
+                   graphs.kv_names(shapes, "kept_"), 5)
         export("compact", graphs.Compact(dec, press, budgets, window, kv_dtype),
                (fill, one, *cache, *query_examples(shapes, batch, window, td)),
-               ["fill", "query_start"] + kv + graphs.query_names(L), graphs.kv_names(shapes, "kept_"), 4 + bool(Lt))
+               ["fill", "query_start"] + kv + graphs.query_names(L), graphs.kv_names(shapes, "kept_"),
+               4 + 2 * bool(Lt))
     if inplace_decode:
         slots = torch.zeros(L, batch, dtype=torch.int32)
         export("decode_inplace", graphs.InPlaceDecodeStep(dec, press, budgets, window, kv_dtype),

@@ -40,7 +40,8 @@ from kvexport.runtime.protocol import Driver
 #: the model dtypes of an export and their NumPy types
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 #: the host inputs each graph may declare (a graph wanting another one was made by another kvexport version)
-FEEDS = {"prefill": {"input_ids", "positions"}, "decode": {"input_ids", "positions"},
+FEEDS = {"prefill": {"input_ids", "positions"}, "prefill_last": {"input_ids", "positions"},
+         "decode": {"input_ids", "positions"},
          "decode_batch": {"input_ids", "positions"}, "compact_prefill": {"fill", "n_pad", "positions"},
          "compact_prefill_tail": {"fill", "n_pad", "positions", "tail_positions"},
          "compact": {"fill", "query_start"}, "decode_inplace": {"input_ids", "positions", "slots"}}
@@ -302,21 +303,24 @@ class GraphHost(Driver):
         """Rule 3 on one chunk: the prefill graph, then its real columns written at ``fill``, or ``compact_prefill``
         where a layer overflows its budget. With a lookahead (rule 3b) the graph takes the chunk and its ``tail``
         (ids, positions (B, L), front-padded; the prompt's last chunk gets a tail of padding), and a compaction the
-        tail observes runs ``compact_prefill_tail``."""
+        tail observes runs ``compact_prefill_tail``. The prompt's last chunk, which has no tail, runs
+        ``prefill_last`` (the same chunk without tail columns) where the export has it."""
         L = int(self.plan.lookahead)
         if tail is not None and not L:
             raise BadUsage("this export's graphs take no lookahead tail (kvexport.cache.plan rule 3b): export it "
                            "with --lookahead")
-        feed_ids, feed_pos = ids, pos
-        if L:
+        feed_ids, feed_pos, graph = ids, pos, "prefill"
+        if L and tail is None and "prefill_last" in self.settings["graphs"]:
+            graph = "prefill_last"  # the prompt's last chunk: no tail to compute
+        elif L:
             B = ids.shape[0]
             t_ids, t_pos = tail if tail is not None else (np.zeros((B, L), np.int64), np.full((B, L), -1, np.int64))
             feed_ids, feed_pos = np.concatenate([ids, t_ids], 1), np.concatenate([pos, t_pos], 1)
         slots = self.plan.prefill_slots(rows.state.fills)
         step = rows.state.prefill(chunk.n_real)
-        arrays = self._inputs(rows, "prefill")
+        arrays = self._inputs(rows, graph)
         head = self._head_slots(arrays, slots)
-        new = self.graphs.call("prefill", self._feeds("prefill", input_ids=feed_ids, positions=feed_pos),
+        new = self.graphs.call(graph, self._feeds(graph, input_ids=feed_ids, positions=feed_pos),
                                {**arrays, **head}, {**rows.staging, "logits": rows.logits})
         self.graphs.forget(head.values())
         if step.any_compaction:

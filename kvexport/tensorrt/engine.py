@@ -116,7 +116,8 @@ def capacity_range(onnx_path: Path) -> tuple[int, int] | None:
 
     man = onnx_path.parent / "manifest.json"
     s = json.loads(man.read_text()).get("settings", {}) if man.is_file() else {}
-    prefill = s.get("prefill_bucketed") and onnx_path.name == (s.get("graphs", {}).get("prefill") or {}).get("file")
+    prefill = s.get("prefill_bucketed") and onnx_path.name in {(s.get("graphs", {}).get(g) or {}).get("file")
+                                                               for g in ("prefill", "prefill_last")}
     if not (s.get("dynamic_capacity") or prefill):
         return None
     cap = int(min(s["capacities"]))

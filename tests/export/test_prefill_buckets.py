@@ -62,7 +62,7 @@ def test_prefill_reads_the_bucket_of_what_is_filled(exported, name):
 
     hf, out = exported(name)
     cap = BUDGET + WINDOW
-    assert _axis2(out, "prefill") == {"capacity"}  # dynamic ...
+    assert _axis2(out, "prefill") == _axis2(out, "prefill_last") == {"capacity"}  # dynamic ...
     for graph in ("decode", "compact_prefill", "compact_prefill_tail", "compact"):
         assert _axis2(out, graph) == {cap}, graph  # ... and only there
     gen = OrtGenerator(out, threads=1)
@@ -71,19 +71,20 @@ def test_prefill_reads_the_bucket_of_what_is_filled(exported, name):
     handed, call = [], gen.graphs.call
 
     def spy(graph, feeds, arrays, outputs, persistent=False):
-        if graph == "prefill":
-            handed.append({arrays[n].shape[2] for n in arrays})
+        if graph.startswith("prefill"):
+            handed.append((graph, {arrays[n].shape[2] for n in arrays}, feeds["input_ids"].shape[1]))
         return call(graph, feeds, arrays, outputs, persistent)
 
     gen.graphs.call = spy
     ids = np.random.default_rng(7).integers(3, 128, (1, PROMPT))
     res = gen.generate(ids, None, NEW, keep_logits=True)
-    fills, expect = 0, []
-    for _ in range(-(-PROMPT // CHUNK)):
-        expect.append({_bucket(fills, cap)})
+    fills, expect, n = 0, [], -(-PROMPT // CHUNK)
+    for c in range(n):  # the last chunk has no lookahead tail: prefill_last, C columns
+        expect.append(("prefill_last", {_bucket(fills, cap)}, CHUNK) if c == n - 1 else
+                      ("prefill", {_bucket(fills, cap)}, CHUNK + LOOK))
         fills = min(fills + CHUNK, BUDGET)
     assert handed == expect
-    assert handed[0] == {256} and handed[-1] == {cap}  # the first chunk reads 256 slots of 416, the last all
+    assert handed[0][1] == {256} and handed[-1][1] == {cap}  # the first chunk reads 256 slots of 416, the last all
     assert gen.cache["k_0"].shape[2] == cap  # the buffers keep the capacity
 
     ref = reference_generate(load_reference_model({"settings": s}, hf), s, press_from_dict(s["press"]), ids,
@@ -123,5 +124,6 @@ def test_tensorrt_profile_only_for_the_prefill(exported):
 
     _, out = exported("gqa-fp32")
     assert capacity_range(out / "prefill.onnx") == (256, BUDGET + WINDOW)
+    assert capacity_range(out / "prefill_last.onnx") == (256, BUDGET + WINDOW)
     for graph in ("decode", "compact_prefill", "compact_prefill_tail", "compact"):
         assert capacity_range(out / f"{graph}.onnx") is None
