@@ -30,7 +30,8 @@ positions (int64 per slot and cache head; one row per token for a growing past),
 (``window`` pre-RoPE queries per layer, ``query_heads x query_dim``, plus one int64 position row), a static
 runtime's logits buffer, and for a runtime that ping-pongs its caches (onnxruntime) a second copy of every
 cache buffer. The runtimes report what they allocated (:func:`measure` of their buffers); tests hold the two
-together.
+together. Not held, so not counted: a graph runtime reading in buckets (:mod:`kvexport.cache.plan` rule 7b) copies
+the bucket it hands a prefill chunk or decode step, at most half its cache buffers' bytes, for that call only.
 """
 
 from __future__ import annotations

@@ -49,13 +49,14 @@ Rules
    :func:`bucket_slots` slots for the rows it must hold: the smallest power of two >= the rows, at least
    :data:`MIN_BUCKET`, at most the capacity. A prompt is fed into the bucket of its columns; a token that does
    not fit doubles the bucket (the filled slots are copied once). Empty slots have position -1, so a step
-   attends over at most twice the filled slots, not the capacity. Static-budget caches never bucket.
-7b. Prefill buckets: an evicting cache whose prefill graph takes the capacity axis as a dynamic dimension
-   (``prefill_bucketed``; one budget for every layer) hands a chunk only the first
-   :meth:`CachePlan.prefill_slots` slots of each layer: the bucket (rule 7's sizes) of the most slots any layer
-   has occupied before the chunk. The slots after it are empty (rules 3 and 5 keep the occupied ones in
-   [0, fill)), so the chunk's real columns see what they would over the whole capacity, while its attention
-   costs O(filled), not O(capacity). The buffers keep the capacity; compactions and decode steps read all of it.
+   attends over at most twice the filled slots, not the capacity. Static-budget caches keep their capacity (7b).
+7b. Read buckets: an evicting cache whose reading graphs (prefill chunks and decode steps, not the compactions)
+   take the capacity axis as a dynamic dimension (``read_buckets``; one budget for every layer) hands each call only
+   the first :meth:`CachePlan.read_slots` slots of every layer: the bucket (rule 7's sizes) of the most slots any
+   layer (any decoding row) has occupied before the call, when that bucket is at most half the capacity; else the
+   whole capacity (a copy would save too little). The slots after it are empty (rules 3-5 keep the occupied ones
+   in [0, fill)), so the call's real queries see what they would over the whole capacity, while it reads O(filled)
+   slots, not O(capacity). The buffers keep the capacity; compactions read all of it.
 """
 
 from __future__ import annotations
@@ -137,8 +138,8 @@ class CachePlan:
     ``chunk``: the prefill chunk width (None = the caller feeds the prompt at once); ``static_chunk``: the
     width is fixed (graphs), so a short last chunk is front-padded to it (rule 2). ``bucketed``: a full cache
     held in buckets of :meth:`slots_for` slots (rule 7). ``lookahead``: tail columns observing each earlier chunk
-    (rule 3b; 0 = a chunk observes itself). ``prefill_bucketed``: an evicting cache's prefill chunks read only the
-    bucket of the occupied slots (rule 7b).
+    (rule 3b; 0 = a chunk observes itself). ``read_buckets``: an evicting cache's prefill chunks and decode steps
+    read only the bucket of the occupied slots (rule 7b).
     """
 
     budgets: tuple[int, ...]
@@ -148,7 +149,7 @@ class CachePlan:
     static_chunk: bool = False
     bucketed: bool = False
     lookahead: int = 0
-    prefill_bucketed: bool = False
+    read_buckets: bool = False
 
     def __post_init__(self):
         if not self.budgets or min(self.budgets) < 1:
@@ -161,8 +162,8 @@ class CachePlan:
             raise BadUsage(f"lookahead {self.lookahead} must be >= 0, and only an evicting cache observes")
         if self.bucketed and (self.evicting or len(set(self.budgets)) > 1):
             raise BadUsage("only a full cache with one capacity for every layer is held in buckets")
-        if self.prefill_bucketed and (not self.evicting or len(set(self.budgets)) > 1):
-            raise BadUsage("only an evicting cache with one budget for every layer reads prefill buckets")
+        if self.read_buckets and (not self.evicting or len(set(self.budgets)) > 1):
+            raise BadUsage("only an evicting cache with one budget for every layer reads in buckets")
 
     @classmethod
     def for_press(cls, evicting: bool, budgets, window: int, chunk: int | None = None,
@@ -183,7 +184,7 @@ class CachePlan:
         return cls(tuple(int(b) for b in budgets), int(settings["window"]) if evicting else 0, evicting,
                    int(settings["chunk"]), static_chunk=True, bucketed=bool(settings.get("dynamic_capacity")),
                    lookahead=int(settings.get("lookahead") or 0),
-                   prefill_bucketed=bool(settings.get("prefill_bucketed")))
+                   read_buckets=bool(settings.get("read_buckets")))
 
     @property
     def num_layers(self) -> int:
@@ -198,11 +199,12 @@ class CachePlan:
         cap = min(self.capacities)
         return bucket_slots(rows, cap) if self.bucketed else cap
 
-    def prefill_slots(self, fills) -> int:
-        """Rule 7b. Slots per layer a prefill chunk reads when the layers hold ``fills`` tokens before it: the bucket
-        of the most of them, or the capacity when the prefill reads it whole."""
+    def read_slots(self, fills) -> int:
+        """Rule 7b. Slots per layer a prefill chunk or decode step reads when the layers (rows) hold ``fills`` tokens
+        before it: the bucket of the most of them when it is at most half the capacity, else the capacity."""
         cap = min(self.capacities)
-        return bucket_slots(max(fills, default=0), cap) if self.prefill_bucketed else cap
+        n = bucket_slots(max(fills, default=0), cap)
+        return n if self.read_buckets and 2 * n <= cap else cap
 
     def chunks(self, n_columns: int) -> list[Chunk]:
         """Rule 2. How a prompt of ``n_columns`` columns is fed."""

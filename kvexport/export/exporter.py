@@ -24,9 +24,10 @@ Layout of an export directory (static caches)::
 
 A full cache (no press) of more than :data:`~kvexport.cache.plan.MIN_BUCKET` slots is exported with its capacity
 axis (axis 2 of every cache tensor) as one dynamic dimension ``capacity`` (manifest ``dynamic_capacity``), so the
-runtime can hold it in buckets (plan rule 7). Static budgets keep fixed shapes, except in ``prefill.onnx`` when every
-layer has the same budget (manifest ``prefill_bucketed``): a chunk is handed only the bucket of the occupied slots
-(plan rule 7b), so a prompt's first chunks do not attend over the empty capacity.
+runtime can hold it in buckets (plan rule 7). Static budgets keep fixed shapes, except in the graphs that read the
+cache without compacting it (prefill, prefill_last, decode, decode_batch) when every layer has the same budget
+(manifest ``read_buckets``): a call is handed only the bucket of the occupied slots (plan rule 7b), so a prompt's
+first chunks and the decode steps of a short sequence do not read the empty capacity.
 
 ``--dynamic-cache`` writes ``model.onnx`` instead: full cache with a growing past (the Optimum baseline).
 """
@@ -176,10 +177,11 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
     # a full cache larger than the smallest bucket: the graphs take its capacity axis as a dynamic dimension and
     # the runtime holds it in buckets (kvexport.cache.plan rule 7); static budgets keep fixed shapes
     dynamic_capacity = p is None and not dynamic_cache and budgets[0] > MIN_BUCKET
-    # an evicting cache's prefill chunk reads only the bucket of the occupied slots (plan rule 7b): its graph takes
-    # the capacity axis as a dynamic dimension too (one budget for every layer; the other graphs keep fixed shapes)
-    prefill_bucketed = (p is not None and not dynamic_cache and len(set(budgets)) == 1
-                        and budgets[0] + window_eff > MIN_BUCKET)
+    # an evicting cache's prefill chunks and decode steps read only the bucket of the occupied slots (plan rule 7b):
+    # their graphs take the capacity axis as a dynamic dimension (one budget for every layer; the compactions and the
+    # in-place decode graph keep fixed shapes)
+    read_buckets = (p is not None and not dynamic_cache and len(set(budgets)) == 1
+                    and budgets[0] + window_eff >= 2 * MIN_BUCKET)
     td = DTYPES[dtype]
     custom = opsel == "custom"
     settings: dict[str, Any] = {
@@ -187,7 +189,11 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
         "decode_batch": int(decode_batch) if decode_batch is not None else None,
         "window": window_eff, "budgets": budgets if p is not None else None,
         "capacities": list(capacities(budgets, window_eff)) if not dynamic_cache else None,
-        "dynamic_capacity": dynamic_capacity, "prefill_bucketed": prefill_bucketed, "inplace_decode": bool(inplace_decode), "lookahead": lookahead,
+        "dynamic_capacity": dynamic_capacity,
+        # the graphs handed only the bucket of the occupied slots (plan rule 7b), or None
+        "read_buckets": (["prefill", "decode"] + ["prefill_last"] * bool(lookahead)
+                         + ["decode_batch"] * (decode_batch is not None)) if read_buckets else None,
+        "inplace_decode": bool(inplace_decode), "lookahead": lookahead,
         "press": press_to_dict(p), "mla": mla, "dtype": dtype, "kv_dtype": kv_dtype, "ops": opsel,
         "opset": ops_mod.OPSET,
         "custom_domain": {ops_mod.DOMAIN: ops_mod.OP_VERSION} if custom else None,
@@ -206,7 +212,7 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
             files["model"] = _export_dynamic(dec, tmp, batch, td, custom)
         else:
             files.update(_export_static(dec, p, budgets, window_eff, batch, chunk, td, custom, tmp, say, decode_batch,
-                                        kv_dtype, dynamic_capacity, inplace_decode, lookahead, prefill_bucketed))
+                                        kv_dtype, dynamic_capacity, inplace_decode, lookahead, read_buckets))
         settings["graphs"] = files
         tok_src = Path(tokenizer_dir) if tokenizer_dir is not None else _tokenizer_source(model, src)
         if tok_src is not None:
@@ -254,7 +260,7 @@ def _capacity_axis(shapes: list[graphs.LayerShape]) -> tuple[list[graphs.LayerSh
 def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: Path, say,
                    decode_batch: int | None = None, kv_dtype: str | None = None,
                    dynamic_capacity: bool = False, inplace_decode: bool = False,
-                   lookahead: int = 0, prefill_bucketed: bool = False) -> dict[str, Any]:
+                   lookahead: int = 0, read_buckets: bool = False) -> dict[str, Any]:
     shapes = graphs.layer_shapes(dec, budgets, window, kv_dtype)
     L = len(shapes)
     wq = press is not None
@@ -278,11 +284,10 @@ def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: P
     prefill = graphs.PrefillChunk(dec, press, budgets, window, kv_dtype, lookahead=Lt)
     new_prefill = graphs.new_names(shapes, wq, prefill.full_rows)
     tails = [f"q_tail_{i}" for i in range(L)] if Lt else []
-    # a bucketed prefill (plan rule 7b) is traced at a bucket's example size, its cache axis dynamic
-    p_cache, p_dyn = cache, dyn
-    if prefill_bucketed:
-        p_shapes, p_dyn = _capacity_axis(shapes)
-        p_cache = kv_examples(p_shapes, batch, td)
+    # the reading graphs of a cache read in buckets (plan rule 7b) are traced at a bucket's example size, their cache
+    # axis dynamic
+    r_shapes, p_dyn = (_capacity_axis(shapes) if read_buckets else (traced, dyn))
+    p_cache = kv_examples(r_shapes, batch, td) if read_buckets else cache
     export("prefill", prefill, (ids, pos, *p_cache), ["input_ids", "positions"] + kv,
            ["logits"] + new_prefill + tails, 1, p_dyn)
     ids, pos = ids[:, :chunk], pos[:, :chunk].contiguous()
@@ -292,8 +297,8 @@ def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: P
                ["logits"] + graphs.new_names(shapes, wq, last.full_rows), 2, p_dyn)
     ids1 = torch.zeros(batch, 1, dtype=torch.long)
     pos1 = torch.full((batch, 1), chunk, dtype=torch.long)
-    export("decode", graphs.DecodeStep(dec, press, budgets, window, kv_dtype), (ids1, pos1, *cache),
-           ["input_ids", "positions"] + kv, ["logits"] + new, 2 + bool(Lt), dyn)
+    export("decode", graphs.DecodeStep(dec, press, budgets, window, kv_dtype), (ids1, pos1, *p_cache),
+           ["input_ids", "positions"] + kv, ["logits"] + new, 2 + bool(Lt), p_dyn)
     if wq:
         with torch.no_grad():
             full_pos = torch.arange(chunk + Lt).expand(batch, chunk + Lt).contiguous()
@@ -324,7 +329,7 @@ def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: P
         N = int(decode_batch)
         export("decode_batch", graphs.DecodeStep(dec, press, budgets, window, kv_dtype),
                (torch.zeros(N, 1, dtype=torch.long), torch.full((N, 1), chunk, dtype=torch.long),
-                *kv_examples(traced, N, td)), ["input_ids", "positions"] + kv, ["logits"] + new, n_graphs, dyn)
+                *kv_examples(r_shapes, N, td)), ["input_ids", "positions"] + kv, ["logits"] + new, n_graphs, p_dyn)
     files["layers"] = [dataclasses.asdict(s) for s in shapes]
     return files
 

@@ -17,9 +17,9 @@ A host holds its buffers once: memory is fixed whatever the number of steps. A f
 capacity axis (``dynamic_capacity``) is held in a bucket of :meth:`~kvexport.cache.plan.CachePlan.slots_for` slots
 (plan rule 7): a prompt gets the bucket of its length, a token that does not fit doubles it (the filled slots copied
 once, the graphs bound again), so a step reads O(filled) bytes, not the export's capacity. An evicting cache keeps
-its capacity, but with ``prefill_bucketed`` a prefill chunk is handed a copy of the bucket of its occupied slots
-(plan rule 7b; held for that call only, at most the cache's bytes), so a prompt's first chunks attend over what is
-filled.
+its capacity, but with ``read_buckets`` a prefill chunk or a decode step is handed a copy of the bucket of its
+occupied slots when that is at most half the capacity (plan rule 7b; held for that call only, at most half the
+cache's bytes), so a prompt's first chunks and a short sequence's steps read what is filled.
 
 Rows: the host is a step driver (:mod:`kvexport.runtime.protocol`) over the export's batch; the server's bank of
 batch-1 slots, each with its own plan state, is the same host over rows of one bank (:mod:`kvexport.runtime.slots`).
@@ -316,7 +316,7 @@ class GraphHost(Driver):
             B = ids.shape[0]
             t_ids, t_pos = tail if tail is not None else (np.zeros((B, L), np.int64), np.full((B, L), -1, np.int64))
             feed_ids, feed_pos = np.concatenate([ids, t_ids], 1), np.concatenate([pos, t_pos], 1)
-        slots = self.plan.prefill_slots(rows.state.fills)
+        slots = self.plan.read_slots(rows.state.fills)
         step = rows.state.prefill(chunk.n_real)
         arrays = self._inputs(rows, graph)
         head = self._head_slots(arrays, slots)
@@ -354,14 +354,18 @@ class GraphHost(Driver):
 
     def _decode(self, rows: Rows, tokens: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, bool]:
         """Rule 4: the decode graph, the host writes where the plan says, the compaction if due."""
+        slots = self.plan.read_slots(rows.state.fills)
         step = rows.state.decode()
         self._fit(rows, max(step.slots) + 1)
         tok, pos = tokens[:, None], positions[:, None]
         if self.inplace:
             new = self._decode_in_place(rows, step, tok, pos)
         else:
-            new = self.graphs.call("decode", self._feeds("decode", input_ids=tok, positions=pos),
-                                   self._inputs(rows, "decode"), rows.step_out, persistent=rows.persistent)
+            arrays = self._inputs(rows, "decode")
+            head = self._head_slots(arrays, slots)  # rule 7b: a short sequence's step reads its bucket
+            new = self.graphs.call("decode", self._feeds("decode", input_ids=tok, positions=pos), {**arrays, **head},
+                                   rows.step_out, persistent=rows.persistent and not head)
+            self.graphs.forget(head.values())
         logits = self._logits(rows)
         return logits, self._apply_decode(rows, step, new, pos, written=self.inplace)
 

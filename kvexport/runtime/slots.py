@@ -65,14 +65,18 @@ class SlotBank(GraphHost):
         """One decode step of several slots through ``decode_batch.onnx`` (every row of the bank: rows not decoding
         get token 0 at position 0 and their outputs are ignored) -> per slot (logits (1, V), compacted). The plans
         first: a full press-free slot refuses before any graph runs."""
+        # rule 7b: the rows read the bucket of the most any decoding slot holds (the others' outputs are ignored)
+        read = self.plan.read_slots([f for s in slots for f in s.rows.state.fills])
         steps = [s.rows.state.decode() for s in slots]
         R = len(self._slots)
         ids, pos = np.zeros((R, 1), np.int64), np.zeros((R, 1), np.int64)
         index = [s.index for s in slots]
         ids[index, 0], pos[index, 0] = tokens, positions
         arrays = {n: self.bank[n] for n in self._io_plan("decode_batch")[0]}
-        self.graphs.call("decode_batch", self._feeds("decode_batch", input_ids=ids, positions=pos), arrays,
-                         self.bank_out, persistent=True)
+        head = self._head_slots(arrays, read)
+        self.graphs.call("decode_batch", self._feeds("decode_batch", input_ids=ids, positions=pos),
+                         {**arrays, **head}, self.bank_out, persistent=not head)
+        self.graphs.forget(head.values())
         logits = self.bank_out["logits"]
         logits = (logits.detach().cpu().numpy() if hasattr(logits, "detach") else np.asarray(logits))
         out = []
@@ -82,21 +86,26 @@ class SlotBank(GraphHost):
         return out
 
     def decode_timings(self, repeats: int = 7) -> dict[str, float]:
-        """A bank's two ways to decode, timed on empty slots (nothing is written): one ``decode_batch`` call for
-        every row and one batch-1 ``decode`` call, the median of ``repeats`` each (after two untimed calls)."""
+        """A bank's two ways to decode, timed on empty slots (nothing is written; they read what empty slots' steps
+        read, plan rule 7b): one ``decode_batch`` call for every row and one batch-1 ``decode`` call, the median of
+        ``repeats`` each (after two untimed calls)."""
         import time
 
         zeros = np.zeros((len(self._slots), 1), np.int64)
+        read = self.plan.read_slots([0])  # what empty slots' steps read (rule 7b)
         arrays = {n: self.bank[n] for n in self._io_plan("decode_batch")[0]}
+        arrays.update(head := self._head_slots(arrays, read))
         one = self._slots[0].rows
+        one_arrays = self._inputs(one, "decode")
+        one_arrays.update(one_head := self._head_slots(one_arrays, read))
 
         def batched():
             self.graphs.call("decode_batch", self._feeds("decode_batch", input_ids=zeros, positions=zeros), arrays,
-                             self.bank_out, persistent=True)
+                             self.bank_out, persistent=not head)
 
         def single():
-            self.graphs.call("decode", self._feeds("decode", input_ids=zeros[:1], positions=zeros[:1]),
-                             self._inputs(one, "decode"), one.step_out)
+            self.graphs.call("decode", self._feeds("decode", input_ids=zeros[:1], positions=zeros[:1]), one_arrays,
+                             one.step_out)
 
         def median(fn) -> float:
             times = []
@@ -106,7 +115,9 @@ class SlotBank(GraphHost):
                 times.append(time.perf_counter() - t0)
             return sorted(times[2:])[repeats // 2]
 
-        return {"decode_batch_s": median(batched), "decode_s": median(single)}
+        got = {"decode_batch_s": median(batched), "decode_s": median(single)}
+        self.graphs.forget([*head.values(), *one_head.values()])
+        return got
 
     def bank_bytes(self) -> dict:
         """A bank's memory, read from its buffers: ``per_slot`` (one row of every cache buffer, by kind), ``shared``

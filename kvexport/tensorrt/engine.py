@@ -110,22 +110,21 @@ def pin_scores_fp32(network, score_tensors: set[str], trt) -> int:
 
 
 def capacity_range(onnx_path: Path) -> tuple[int, int] | None:
-    """(smallest bucket, capacity) of a bucketed full-cache export's graph, or of the prefill graph of an export with
-    prefill buckets (plan rules 7 and 7b; the manifest beside it), else None."""
+    """(smallest bucket, capacity) of a bucketed full-cache export's graph, or of a reading graph of an export read
+    in buckets (plan rules 7 and 7b; the manifest beside it), else None."""
     from kvexport.cache.plan import bucket_slots
 
     man = onnx_path.parent / "manifest.json"
     s = json.loads(man.read_text()).get("settings", {}) if man.is_file() else {}
-    prefill = s.get("prefill_bucketed") and onnx_path.name in {(s.get("graphs", {}).get(g) or {}).get("file")
-                                                               for g in ("prefill", "prefill_last")}
-    if not (s.get("dynamic_capacity") or prefill):
+    reads = onnx_path.name in {(s.get("graphs", {}).get(g) or {}).get("file") for g in s.get("read_buckets") or ()}
+    if not (s.get("dynamic_capacity") or reads):
         return None
     cap = int(min(s["capacities"]))
     return bucket_slots(1, cap), cap
 
 
 def capacity_profile(builder, config, onnx_path: Path, dynamic: dict[str, tuple]) -> None:
-    """One optimization profile for a bucketed cache axis (a full cache's graphs, an evicting cache's prefill): axis 2
+    """One optimization profile for a bucketed cache axis (a full cache's graphs, an evicting cache's reads): axis 2
     of every cache input from the smallest bucket to the capacity (opt: the capacity); any other dynamic input is
     refused with one line."""
     rng = capacity_range(onnx_path)

@@ -81,19 +81,21 @@ def test_full_cache_refuses_what_does_not_fit():
         st.prefill(7)
 
 
-@pytest.mark.parametrize("fills,want", [([0, 0], 256), ([255, 256], 256), ([257, 100], 416), ([400, 400], 416)])
-def test_prefill_slots_are_the_bucket_of_the_most_filled_layer(fills, want):
-    """Rule 7b: budget 400 + window 16 = 416 slots; a chunk reads the power of two >= max(fills, 256), at most 416."""
-    plan = CachePlan((400, 400), 16, True, 96, static_chunk=True, prefill_bucketed=True)
-    assert plan.prefill_slots(fills) == want
-    assert CachePlan((400, 400), 16, True, 96, static_chunk=True).prefill_slots(fills) == 416  # not bucketed
+@pytest.mark.parametrize("fills,want", [([0, 0], 256), ([255, 256], 256), ([257, 100], 616), ([600, 600], 616)])
+def test_read_slots_are_the_bucket_of_the_most_filled_layer(fills, want):
+    """Rule 7b: budget 600 + window 16 = 616 slots; a call reads the power of two >= max(fills, 256) while it is at
+    most half of 616, else all 616."""
+    plan = CachePlan((600, 600), 16, True, 96, static_chunk=True, read_buckets=True)
+    assert plan.read_slots(fills) == want
+    assert CachePlan((600, 600), 16, True, 96, static_chunk=True).read_slots(fills) == 616  # not bucketed
+    assert CachePlan((1100,) * 2, 16, True, 96, read_buckets=True).read_slots([257]) == 512  # 512 <= 1116 / 2
 
 
-def test_prefill_buckets_need_an_evicting_cache_with_one_budget():
+def test_read_buckets_need_an_evicting_cache_with_one_budget():
     with pytest.raises(BadUsage, match="one budget"):
-        CachePlan((400, 300), 16, True, 96, prefill_bucketed=True)
+        CachePlan((400, 300), 16, True, 96, read_buckets=True)
     with pytest.raises(BadUsage, match="one budget"):
-        CachePlan((400, 400), 0, False, 96, prefill_bucketed=True)
+        CachePlan((400, 400), 0, False, 96, read_buckets=True)
 
 
 def test_orders_put_invalid_entries_first_for_the_press_and_last_for_the_keep():

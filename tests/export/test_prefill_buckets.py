@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Prefill buckets of an evicting cache (kvexport.cache.plan rule 7b): ``prefill.onnx`` takes the cache's capacity
-axis as a dynamic dimension and the host hands each chunk only the power-of-two bucket (>= MIN_BUCKET) of the slots
-filled before it, so a prompt's first chunks do not attend over the empty capacity. The other graphs keep fixed
-shapes.
+"""Read buckets of an evicting cache (kvexport.cache.plan rule 7b): the graphs that read the cache without compacting
+it (``prefill``, ``prefill_last``, ``decode``) take the capacity axis as a dynamic dimension and the host hands each
+call only the power-of-two bucket (>= MIN_BUCKET) of the slots filled before it while that is at most half the
+capacity, so a prompt's first chunks and a short sequence's steps do not read the empty capacity. The compactions
+keep fixed shapes.
 
 Checked against the PyTorch library path as a user calls it (its cache reads exactly the filled slots, no buckets):
 greedy tokens equal, prompt logits within 1e-4, and the kept positions of every layer equal after the prompt (the
-prompt overflows the budget, so chunks compact); GQA and MLA, fp32 and int8 caches, with a lookahead tail."""
+prompt overflows the budget, so chunks compact); GQA with an int8 cache, MLA with an fp32 one, both with a
+lookahead tail."""
 
 from __future__ import annotations
 
@@ -16,18 +18,18 @@ import numpy as np
 import onnx
 import pytest
 
-BUDGET, WINDOW, CHUNK, LOOK = 400, 16, 96, 16
-PROMPT, NEW = 700, 24  # 8 chunks: fills 0, 96, ..., 672 -> compactions from the 5th chunk on
-CASES = {"gqa-fp32": ({}, None), "gqa-int8": ({}, "int8"), "mla-int8": ({"mla_rank": 16, "rope_dim": 4}, "int8")}
+BUDGET, WINDOW, CHUNK, LOOK = 600, 16, 96, 16  # 616 slots: a bucket of 256 is read, 512 would be more than half
+PROMPT, NEW = 900, 24  # 10 chunks: fills 0, 96, ..., 600 -> compactions from the 7th chunk on
+CASES = {"gqa-int8": ({}, "int8"), "mla-fp32": ({"mla_rank": 16, "rope_dim": 4}, None)}
 
 
 def _bucket(filled: int, capacity: int) -> int:
-    """What rule 7b hands a chunk, restated here: the smallest power of two >= max(filled, 256), at most the
-    capacity."""
+    """What rule 7b hands a call, restated here: the smallest power of two >= max(filled, 256) when it is at most
+    half the capacity, else the capacity."""
     n = 256
     while n < filled:
         n *= 2
-    return min(n, capacity)
+    return n if 2 * n <= capacity else capacity
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,7 @@ def exported(tmp_path_factory, tiny_models):
             kw, kvd = CASES[name]
             hf = tiny_models("llama")
             out = export_model(hf, tmp_path_factory.mktemp(name) / "x", press="snapkv", budget=BUDGET, window=WINDOW,
-                               chunk=CHUNK, lookahead=LOOK, kv_dtype=kvd, **kw)
+                               chunk=CHUNK, lookahead=LOOK, kv_dtype=kvd, decode_batch=2, **kw)
             made[name] = (hf, out)
         return made[name]
 
@@ -62,12 +64,13 @@ def test_prefill_reads_the_bucket_of_what_is_filled(exported, name):
 
     hf, out = exported(name)
     cap = BUDGET + WINDOW
-    assert _axis2(out, "prefill") == _axis2(out, "prefill_last") == {"capacity"}  # dynamic ...
-    for graph in ("decode", "compact_prefill", "compact_prefill_tail", "compact"):
+    for graph in ("prefill", "prefill_last", "decode", "decode_batch"):
+        assert _axis2(out, graph) == {"capacity"}, graph  # dynamic ...
+    for graph in ("compact_prefill", "compact_prefill_tail", "compact"):
         assert _axis2(out, graph) == {cap}, graph  # ... and only there
     gen = OrtGenerator(out, threads=1)
     s = gen.settings
-    assert s["prefill_bucketed"] is True
+    assert s["read_buckets"] == ["prefill", "decode", "prefill_last", "decode_batch"]
     handed, call = [], gen.graphs.call
 
     def spy(graph, feeds, arrays, outputs, persistent=False):
@@ -84,7 +87,7 @@ def test_prefill_reads_the_bucket_of_what_is_filled(exported, name):
                       ("prefill", {_bucket(fills, cap)}, CHUNK + LOOK))
         fills = min(fills + CHUNK, BUDGET)
     assert handed == expect
-    assert handed[0][1] == {256} and handed[-1][1] == {cap}  # the first chunk reads 256 slots of 416, the last all
+    assert handed[0][1] == {256} and handed[-1][1] == {cap}  # the first chunk reads 256 slots of 616, the last all
     assert gen.cache["k_0"].shape[2] == cap  # the buffers keep the capacity
 
     ref = reference_generate(load_reference_model({"settings": s}, hf), s, press_from_dict(s["press"]), ids,
@@ -93,7 +96,76 @@ def test_prefill_reads_the_bucket_of_what_is_filled(exported, name):
     np.testing.assert_allclose(res.prompt_logits, ref.prompt_logits.numpy(), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["gqa-int8", "mla-int8"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_short_sequence_decodes_over_its_bucket(exported, name):
+    """A 100-token prompt decoding 200 tokens: steps read 256 slots until the cache holds 256, then the capacity;
+    every step's logits against the library path."""
+    from kvexport.export import OrtGenerator
+    from kvexport.export.reference import load_reference_model, reference_generate
+    from kvexport.export.source import press_from_dict
+
+    hf, out = exported(name)
+    gen = OrtGenerator(out, threads=1)
+    s = gen.settings
+    read, call = [], gen.graphs.call
+
+    def spy(graph, feeds, arrays, outputs, persistent=False):
+        if graph == "decode":
+            read.append({arrays[n].shape[2] for n in arrays})
+        return call(graph, feeds, arrays, outputs, persistent)
+
+    gen.graphs.call = spy
+    ids = np.random.default_rng(3).integers(3, 128, (1, 100))
+    res = gen.generate(ids, None, 200, keep_logits=True)
+    assert read == [{_bucket(100 + k, BUDGET + WINDOW)} for k in range(199)]
+    assert read[0] == {256} and read[-1] == {BUDGET + WINDOW}
+    ref = reference_generate(load_reference_model({"settings": s}, hf), s, press_from_dict(s["press"]), ids,
+                             np.ones_like(ids), 200)
+    np.testing.assert_array_equal(res.tokens, ref.tokens.numpy())
+    np.testing.assert_allclose(np.stack(res.step_logits), np.stack([x.numpy() for x in ref.step_logits]), atol=1e-4,
+                               rtol=0)
+
+
+def test_server_slots_decode_together_over_their_bucket(exported):
+    """Two server slots (a bank of batch-1 rows, decode_batch.onnx) at different fills: each step reads the bucket
+    of the fuller one; every sequence's tokens are the library path's."""
+    from kvexport.export.reference import load_reference_model, reference_generate
+    from kvexport.export.source import press_from_dict
+    from kvexport.runtime import Stream
+    from kvexport.runtime.sessions import OrtSessions
+    from kvexport.runtime.slots import SlotBank
+
+    hf, out = exported("gqa-int8")
+    bank = SlotBank(OrtSessions(out, threads=1), slots=2)
+    assert bank.batched
+    read, call = [], bank.graphs.call
+
+    def spy(graph, feeds, arrays, outputs, persistent=False):
+        if graph == "decode_batch":
+            read.append({arrays[n].shape[2] for n in arrays})
+        return call(graph, feeds, arrays, outputs, persistent)
+
+    bank.graphs.call = spy
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 128, (1, 100)), rng.integers(3, 128, (1, 150))]
+    n_new = 140
+    drivers = [bank.slot(0), bank.slot(1)]
+    toks = [[int(np.asarray(Stream(d, p).prefill()).argmax())] for d, p in zip(drivers, prompts, strict=True)]
+    for k in range(n_new - 1):
+        got = bank.decode_slots(drivers, np.array([t[-1] for t in toks]),
+                                np.array([p.shape[1] + k for p in prompts]))
+        for t, (logits, _) in zip(toks, got, strict=True):
+            t.append(int(logits.argmax()))
+    assert read == [{_bucket(150 + k, BUDGET + WINDOW)} for k in range(n_new - 1)]
+    assert read[0] == {256} and read[-1] == {BUDGET + WINDOW}
+    s = bank.settings
+    dec = load_reference_model({"settings": s}, hf)
+    for p, t in zip(prompts, toks, strict=True):
+        ref = reference_generate(dec, s, press_from_dict(s["press"]), p, np.ones_like(p), n_new)
+        assert t == ref.tokens[0].tolist()
+
+
+@pytest.mark.parametrize("name", list(CASES))
 def test_kept_after_the_prompt_equal_the_library_path(exported, name):
     """What the prompt's compactions kept, layer by layer, against the PyTorch cache fed the same chunks."""
     from kvexport.export import OrtGenerator
@@ -118,12 +190,13 @@ def test_kept_after_the_prompt_equal_the_library_path(exported, name):
 
 
 def test_tensorrt_profile_only_for_the_prefill(exported):
-    """Without TensorRT: the engine builder gives the prefill graph's capacity axis a profile from the smallest
-    bucket to the capacity, and the other graphs none (their shapes are fixed)."""
+    """Without TensorRT: the engine builder gives the reading graphs' capacity axis a profile from the smallest
+    bucket to the capacity, and the compactions none (their shapes are fixed)."""
     from kvexport.tensorrt.engine import capacity_range
 
-    _, out = exported("gqa-fp32")
+    _, out = exported("gqa-int8")
     assert capacity_range(out / "prefill.onnx") == (256, BUDGET + WINDOW)
-    assert capacity_range(out / "prefill_last.onnx") == (256, BUDGET + WINDOW)
-    for graph in ("decode", "compact_prefill", "compact_prefill_tail", "compact"):
+    for graph in ("prefill_last", "decode", "decode_batch"):
+        assert capacity_range(out / f"{graph}.onnx") == (256, BUDGET + WINDOW)
+    for graph in ("compact_prefill", "compact_prefill_tail", "compact"):
         assert capacity_range(out / f"{graph}.onnx") is None
