@@ -19,6 +19,11 @@ Rules
 2. Prefill: the prompt's columns are fed in chunks of ``chunk`` columns (all of them at once when None). A
    runtime whose chunk width is static pads a short last chunk at its *front* (id 0, position -1), so the real
    columns end the chunk and its last column is the prompt's last token (:meth:`CachePlan.chunks`).
+2b. Ragged last chunk: with ``ragged_last`` (a graph runtime whose last-chunk graph takes its column axis as a
+   dynamic dimension) the prompt's last chunk is fed at its real width, without the padding columns, when it has at
+   least 2 real columns and does not compact (:meth:`CachePlan.ragged`): the same real columns at the same
+   positions, so the same rows and logits, without computing the padding. A last chunk that compacts keeps the
+   static width (the compaction graphs take C columns).
 3. A chunk's candidates are the occupied slots followed by the chunk's real columns; padding columns are never
    candidates (never kept, never attended, never observing). When ``fill_i + n_real > budget_i`` the press
    scores the candidates and the best ``budget_i`` are kept, in candidate order, in slots [0, budget_i);
@@ -139,7 +144,8 @@ class CachePlan:
     width is fixed (graphs), so a short last chunk is front-padded to it (rule 2). ``bucketed``: a full cache
     held in buckets of :meth:`slots_for` slots (rule 7). ``lookahead``: tail columns observing each earlier chunk
     (rule 3b; 0 = a chunk observes itself). ``read_buckets``: an evicting cache's prefill chunks and decode steps
-    read only the bucket of the occupied slots (rule 7b).
+    read only the bucket of the occupied slots (rule 7b). ``ragged_last``: a prompt's last chunk may be fed at its
+    real width (rule 2b).
     """
 
     budgets: tuple[int, ...]
@@ -150,6 +156,7 @@ class CachePlan:
     bucketed: bool = False
     lookahead: int = 0
     read_buckets: bool = False
+    ragged_last: bool = False
 
     def __post_init__(self):
         if not self.budgets or min(self.budgets) < 1:
@@ -184,7 +191,7 @@ class CachePlan:
         return cls(tuple(int(b) for b in budgets), int(settings["window"]) if evicting else 0, evicting,
                    int(settings["chunk"]), static_chunk=True, bucketed=bool(settings.get("dynamic_capacity")),
                    lookahead=int(settings.get("lookahead") or 0),
-                   read_buckets=bool(settings.get("read_buckets")))
+                   read_buckets=bool(settings.get("read_buckets")), ragged_last=bool(settings.get("ragged_last")))
 
     @property
     def num_layers(self) -> int:
@@ -205,6 +212,12 @@ class CachePlan:
         cap = min(self.capacities)
         n = bucket_slots(max(fills, default=0), cap)
         return n if self.read_buckets and 2 * n <= cap else cap
+
+    def ragged(self, chunk: Chunk, n_columns: int, step: "PrefillStep") -> bool:
+        """Rule 2b. Whether ``chunk`` of a prompt of ``n_columns`` columns is fed at its real width: the last chunk,
+        padded, with at least 2 real columns, when ``step`` (its :meth:`CacheState.prefill`) does not compact."""
+        return (self.ragged_last and chunk.stop >= n_columns and chunk.pad > 0 and chunk.n_real >= 2
+                and not step.any_compaction)
 
     def chunks(self, n_columns: int) -> list[Chunk]:
         """Rule 2. How a prompt of ``n_columns`` columns is fed."""

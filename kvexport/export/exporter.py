@@ -27,7 +27,10 @@ axis (axis 2 of every cache tensor) as one dynamic dimension ``capacity`` (manif
 runtime can hold it in buckets (plan rule 7). Static budgets keep fixed shapes, except in the graphs that read the
 cache without compacting it (prefill, prefill_last, decode, decode_batch) when every layer has the same budget
 (manifest ``read_buckets``): a call is handed only the bucket of the occupied slots (plan rule 7b), so a prompt's
-first chunks and the decode steps of a short sequence do not read the empty capacity.
+first chunks and the decode steps of a short sequence do not read the empty capacity. With a press, the graph of a
+prompt's last chunk (``prefill_last``, or ``prefill`` without a lookahead; manifest ``ragged_last``) also takes its
+column axis as a dynamic dimension in [2, C]: a last chunk that does not compact is fed without its padding columns
+(plan rule 2b), so a 256-token prompt costs 256 columns, not C.
 
 ``--dynamic-cache`` writes ``model.onnx`` instead: full cache with a growing past (the Optimum baseline).
 """
@@ -182,6 +185,8 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
     # in-place decode graph keep fixed shapes)
     read_buckets = (p is not None and not dynamic_cache and len(set(budgets)) == 1
                     and budgets[0] + window_eff >= 2 * MIN_BUCKET)
+    # an evicting cache's last prompt chunk is fed at its real width when it does not compact (plan rule 2b)
+    ragged_last = p is not None and not dynamic_cache and chunk >= 2
     td = DTYPES[dtype]
     custom = opsel == "custom"
     settings: dict[str, Any] = {
@@ -193,6 +198,8 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
         # the graphs handed only the bucket of the occupied slots (plan rule 7b), or None
         "read_buckets": (["prefill", "decode"] + ["prefill_last"] * bool(lookahead)
                          + ["decode_batch"] * (decode_batch is not None)) if read_buckets else None,
+        # the graph a prompt's last chunk runs at its real width when it does not compact (plan rule 2b), or None
+        "ragged_last": ("prefill_last" if lookahead else "prefill") if ragged_last else None,
         "inplace_decode": bool(inplace_decode), "lookahead": lookahead,
         "press": press_to_dict(p), "mla": mla, "dtype": dtype, "kv_dtype": kv_dtype, "ops": opsel,
         "opset": ops_mod.OPSET,
@@ -212,7 +219,8 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
             files["model"] = _export_dynamic(dec, tmp, batch, td, custom)
         else:
             files.update(_export_static(dec, p, budgets, window_eff, batch, chunk, td, custom, tmp, say, decode_batch,
-                                        kv_dtype, dynamic_capacity, inplace_decode, lookahead, read_buckets))
+                                        kv_dtype, dynamic_capacity, inplace_decode, lookahead, read_buckets,
+                                        ragged_last))
         settings["graphs"] = files
         tok_src = Path(tokenizer_dir) if tokenizer_dir is not None else _tokenizer_source(model, src)
         if tok_src is not None:
@@ -257,10 +265,19 @@ def _capacity_axis(shapes: list[graphs.LayerShape]) -> tuple[list[graphs.LayerSh
     return example, (None, None, tuple({2: axis} for _ in range(n)))  # forward(input_ids, positions, *cache)
 
 
+def _column_axis(chunk: int, n_cache: int, dyn) -> Any:
+    """``dynamic_shapes`` for (input_ids, positions, *cache) of a last-chunk graph: axis 1 of the ids and positions one
+    dynamic dimension ``columns`` in [2, chunk] (plan rule 2b), the cache's axes as ``dyn`` gives them."""
+    from torch.export import Dim
+
+    cols = Dim("columns", min=2, max=int(chunk))
+    return ({1: cols}, {1: cols}, dyn[2] if dyn is not None else tuple({} for _ in range(n_cache)))
+
+
 def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: Path, say,
                    decode_batch: int | None = None, kv_dtype: str | None = None,
                    dynamic_capacity: bool = False, inplace_decode: bool = False,
-                   lookahead: int = 0, read_buckets: bool = False) -> dict[str, Any]:
+                   lookahead: int = 0, read_buckets: bool = False, ragged_last: bool = False) -> dict[str, Any]:
     shapes = graphs.layer_shapes(dec, budgets, window, kv_dtype)
     L = len(shapes)
     wq = press is not None
@@ -288,13 +305,16 @@ def _export_static(dec, press, budgets, window, batch, chunk, td, custom, tmp: P
     # axis dynamic
     r_shapes, p_dyn = (_capacity_axis(shapes) if read_buckets else (traced, dyn))
     p_cache = kv_examples(r_shapes, batch, td) if read_buckets else cache
+    # the graph of a prompt's last chunk takes its column axis as a dynamic dimension (plan rule 2b): prefill itself,
+    # or without a tail prefill_last
+    narrow = _column_axis(chunk, len(p_cache), p_dyn) if ragged_last else None
     export("prefill", prefill, (ids, pos, *p_cache), ["input_ids", "positions"] + kv,
-           ["logits"] + new_prefill + tails, 1, p_dyn)
+           ["logits"] + new_prefill + tails, 1, narrow if not Lt and narrow else p_dyn)
     ids, pos = ids[:, :chunk], pos[:, :chunk].contiguous()
     if Lt:  # the prompt's last chunk has no tail: the same chunk graph without one
         last = graphs.PrefillChunk(dec, press, budgets, window, kv_dtype)
         export("prefill_last", last, (ids, pos, *p_cache), ["input_ids", "positions"] + kv,
-               ["logits"] + graphs.new_names(shapes, wq, last.full_rows), 2, p_dyn)
+               ["logits"] + graphs.new_names(shapes, wq, last.full_rows), 2, narrow or p_dyn)
     ids1 = torch.zeros(batch, 1, dtype=torch.long)
     pos1 = torch.full((batch, 1), chunk, dtype=torch.long)
     export("decode", graphs.DecodeStep(dec, press, budgets, window, kv_dtype), (ids1, pos1, *p_cache),

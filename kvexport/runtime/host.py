@@ -309,6 +309,8 @@ class GraphHost(Driver):
         if tail is not None and not L:
             raise BadUsage("this export's graphs take no lookahead tail (kvexport.cache.plan rule 3b): export it "
                            "with --lookahead")
+        slots = self.plan.read_slots(rows.state.fills)
+        step = rows.state.prefill(chunk.n_real)
         feed_ids, feed_pos, graph = ids, pos, "prefill"
         if L and tail is None and "prefill_last" in self.settings["graphs"]:
             graph = "prefill_last"  # the prompt's last chunk: no tail to compute
@@ -316,13 +318,21 @@ class GraphHost(Driver):
             B = ids.shape[0]
             t_ids, t_pos = tail if tail is not None else (np.zeros((B, L), np.int64), np.full((B, L), -1, np.int64))
             feed_ids, feed_pos = np.concatenate([ids, t_ids], 1), np.concatenate([pos, t_pos], 1)
-        slots = self.plan.read_slots(rows.state.fills)
-        step = rows.state.prefill(chunk.n_real)
+        outputs, first = {**rows.staging, "logits": rows.logits}, chunk.pad
+        if self.plan.ragged(chunk, rows.columns, step) and graph == self.settings.get("ragged_last"):
+            # rule 2b: the real columns only, into rows of their width (held for this chunk)
+            feed_ids, feed_pos, first = ids[:, chunk.pad:], pos[:, chunk.pad:], 0
+            wanted = set(self.settings["graphs"][graph]["outputs"])
+            outputs = {n: self._array((*shape[:2], chunk.n_real, *shape[3:]), dt)
+                       for n, (shape, dt) in self._chunk_shapes().items() if n in wanted}
+            outputs["logits"] = rows.logits
         arrays = self._inputs(rows, graph)
         head = self._head_slots(arrays, slots)
         new = self.graphs.call(graph, self._feeds(graph, input_ids=feed_ids, positions=feed_pos),
-                               {**arrays, **head}, {**rows.staging, "logits": rows.logits})
+                               {**arrays, **head}, outputs)
         self.graphs.forget(head.values())
+        if first != chunk.pad:
+            self.graphs.forget(v for n, v in outputs.items() if n != "logits")
         if step.any_compaction:
             graph = "compact_prefill_tail" if tail is not None else "compact_prefill"
             kept = self.graphs.call(graph,
@@ -333,7 +343,7 @@ class GraphHost(Driver):
             self._write_kept(rows, kept)
         else:
             for i, f in enumerate(step.fills):
-                self._write_rows(rows, new, i, f, pos, first=chunk.pad)
+                self._write_rows(rows, new, i, f, pos if first == chunk.pad else pos[:, chunk.pad:], first=first)
         if chunk.stop >= rows.columns:
             self._drop_staging(rows)
         return self._logits(rows), step.any_compaction

@@ -123,18 +123,31 @@ def capacity_range(onnx_path: Path) -> tuple[int, int] | None:
     return bucket_slots(1, cap), cap
 
 
+def column_range(onnx_path: Path) -> tuple[int, int] | None:
+    """(2, chunk) for the graph a prompt's last chunk runs at its real width (plan rule 2b; the manifest beside it),
+    else None."""
+    man = onnx_path.parent / "manifest.json"
+    s = json.loads(man.read_text()).get("settings", {}) if man.is_file() else {}
+    g = s.get("graphs", {}).get(s.get("ragged_last") or "")
+    return (2, int(s["chunk"])) if g and onnx_path.name == g.get("file") else None
+
+
 def capacity_profile(builder, config, onnx_path: Path, dynamic: dict[str, tuple]) -> None:
-    """One optimization profile for a bucketed cache axis (a full cache's graphs, an evicting cache's reads): axis 2
-    of every cache input from the smallest bucket to the capacity (opt: the capacity); any other dynamic input is
-    refused with one line."""
-    rng = capacity_range(onnx_path)
+    """One optimization profile for a graph's dynamic axes: axis 2 of every cache input from the smallest bucket to
+    the capacity (a full cache's graphs, an evicting cache's reads), axis 1 of the ids and positions from 2 columns to
+    the chunk (a ragged last chunk); opt: the largest. Any other dynamic input is refused with one line."""
+    caps, cols = capacity_range(onnx_path), column_range(onnx_path)
+    shapes = {}
     for name, shape in dynamic.items():
-        if rng is None or [k for k, d in enumerate(shape) if d < 0] != [2]:
+        dyn = [k for k, d in enumerate(shape) if d < 0]
+        rng = cols if name in ("input_ids", "positions") and dyn == [1] else caps if dyn == [2] else None
+        if rng is None:
             raise BadArtifact(f"{onnx_path.name} input {name} has a dynamic shape {shape}; kvexport engines need "
-                              "the static shapes `kvexport export` writes (or a full cache's capacity axis)")
+                              "the static shapes `kvexport export` writes (or a cache's capacity axis, or the last "
+                              "chunk's columns)")
+        shapes[name] = tuple(tuple(n if k == dyn[0] else d for k, d in enumerate(shape)) for n in rng)
     profile = builder.create_optimization_profile()
-    for name, shape in dynamic.items():
-        lo, hi = (tuple(n if k == 2 else d for k, d in enumerate(shape)) for n in rng)
+    for name, (lo, hi) in shapes.items():
         profile.set_shape(name, lo, hi, hi)
     config.add_optimization_profile(profile)
 

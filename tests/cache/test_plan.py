@@ -91,6 +91,22 @@ def test_read_slots_are_the_bucket_of_the_most_filled_layer(fills, want):
     assert CachePlan((1100,) * 2, 16, True, 96, read_buckets=True).read_slots([257]) == 512  # 512 <= 1116 / 2
 
 
+def test_ragged_last_chunk_only_when_it_does_not_compact():
+    """Rule 2b: chunk 96, budget 600: the last chunk of 100 columns (4 real) runs at its width; of 97 (1 real), of
+    900 (it compacts) and without ragged_last, at the chunk's."""
+    plan = CachePlan((600,), 16, True, 96, static_chunk=True, ragged_last=True)
+
+    def last_ragged(p, n):
+        state, chunks = CacheState(p), p.chunks(n)
+        for c in chunks[:-1]:
+            state.prefill(c.n_real)
+        return p.ragged(chunks[-1], n, state.prefill(chunks[-1].n_real))
+
+    assert last_ragged(plan, 100) and last_ragged(plan, 50)
+    assert not last_ragged(plan, 97) and not last_ragged(plan, 900) and not last_ragged(plan, 192)
+    assert not last_ragged(CachePlan((600,), 16, True, 96, static_chunk=True), 100)
+
+
 def test_read_buckets_need_an_evicting_cache_with_one_budget():
     with pytest.raises(BadUsage, match="one budget"):
         CachePlan((400, 300), 16, True, 96, read_buckets=True)

@@ -189,14 +189,94 @@ def test_kept_after_the_prompt_equal_the_library_path(exported, name):
         np.testing.assert_array_equal(np.sort(a[a >= 0]), np.sort(b[b >= 0]), err_msg=f"layer {i}")
 
 
+@pytest.mark.parametrize("lookahead", [LOOK, 0])
+def test_a_short_last_chunk_runs_at_its_real_width(exported, tmp_path, tiny_models, lookahead):
+    """Plan rule 2b: a prompt's last chunk that does not compact and has at least 2 real columns is fed without its
+    padding (prefill_last with a lookahead, prefill without); one real column, or a compaction, keeps the chunk's
+    width. Tokens and logits against the library path."""
+    from kvexport.export import OrtGenerator, export_model
+    from kvexport.export.reference import load_reference_model, reference_generate
+    from kvexport.export.source import press_from_dict
+
+    if lookahead:
+        hf, out = exported("gqa-int8")
+    else:
+        hf = tiny_models("llama")
+        out = export_model(hf, tmp_path / "x", press="snapkv", budget=BUDGET, window=WINDOW, chunk=CHUNK)
+    gen = OrtGenerator(out, threads=1)
+    s = gen.settings
+    last = "prefill_last" if lookahead else "prefill"
+    assert s["ragged_last"] == last
+    widths, call = [], gen.graphs.call
+
+    def spy(graph, feeds, arrays, outputs, persistent=False):
+        if graph.startswith("prefill"):
+            widths.append((graph, feeds["input_ids"].shape[1]))
+        return call(graph, feeds, arrays, outputs, persistent)
+
+    gen.graphs.call = spy
+    full = CHUNK + lookahead
+    want = {50: [(last, 50)], 100: [("prefill", full), (last, 4)], 97: [("prefill", full), (last, CHUNK)],
+            PROMPT: [("prefill", full)] * (PROMPT // CHUNK) + [(last, CHUNK)]}  # 900: the last chunk compacts
+    dec = load_reference_model({"settings": s}, hf)
+    for n, expect in want.items():
+        widths.clear()
+        ids = np.random.default_rng(n).integers(3, 128, (1, n))
+        res = gen.generate(ids, None, 8, keep_logits=True)
+        assert widths == expect, n
+        ref = reference_generate(dec, s, press_from_dict(s["press"]), ids, np.ones_like(ids), 8)
+        np.testing.assert_array_equal(res.tokens, ref.tokens.numpy())
+        np.testing.assert_allclose(res.prompt_logits, ref.prompt_logits.numpy(), atol=1e-4, rtol=0)
+
+
 def test_tensorrt_profile_only_for_the_prefill(exported):
     """Without TensorRT: the engine builder gives the reading graphs' capacity axis a profile from the smallest
     bucket to the capacity, and the compactions none (their shapes are fixed)."""
-    from kvexport.tensorrt.engine import capacity_range
+    from kvexport.tensorrt.engine import capacity_range, column_range
 
     _, out = exported("gqa-int8")
     assert capacity_range(out / "prefill.onnx") == (256, BUDGET + WINDOW)
     for graph in ("prefill_last", "decode", "decode_batch"):
         assert capacity_range(out / f"{graph}.onnx") == (256, BUDGET + WINDOW)
+    assert column_range(out / "prefill_last.onnx") == (2, CHUNK)  # the ragged last chunk (rule 2b)
+    assert column_range(out / "prefill.onnx") is None and column_range(out / "decode.onnx") is None
     for graph in ("compact_prefill", "compact_prefill_tail", "compact"):
         assert capacity_range(out / f"{graph}.onnx") is None
+
+
+def test_tensorrt_profile_spans_the_columns_and_the_buckets(exported):
+    """Without TensorRT: the optimization profile of the last-chunk graph (recorded by stand-ins) gives its ids and
+    positions 2 to CHUNK columns and its cache 256 slots to the capacity; a dynamic axis anywhere else is refused."""
+    from kvexport.errors import BadArtifact
+    from kvexport.tensorrt.engine import capacity_profile
+
+    _, out = exported("gqa-int8")
+
+    class Profile:
+        def __init__(self):
+            self.shapes = {}
+
+        def set_shape(self, name, lo, opt, hi):
+            self.shapes[name] = (lo, opt, hi)
+
+    class Builder:
+        def create_optimization_profile(self):
+            return Profile()
+
+    class Config:
+        def __init__(self):
+            self.profiles = []
+
+        def add_optimization_profile(self, p):
+            self.profiles.append(p)
+
+    config, cap = Config(), BUDGET + WINDOW
+    capacity_profile(Builder(), config, out / "prefill_last.onnx",
+                     {"input_ids": (1, -1), "positions": (1, -1), "k_0": (1, 2, -1, 16)})
+    got = config.profiles[0].shapes
+    assert got["input_ids"] == got["positions"] == ((1, 2), (1, CHUNK), (1, CHUNK))
+    assert got["k_0"] == ((1, 2, 256, 16), (1, 2, cap, 16), (1, 2, cap, 16))
+    with pytest.raises(BadArtifact, match="dynamic shape"):  # prefill.onnx takes C + L columns, fixed
+        capacity_profile(Builder(), Config(), out / "prefill.onnx", {"input_ids": (1, -1)})
+    with pytest.raises(BadArtifact, match="dynamic shape"):
+        capacity_profile(Builder(), Config(), out / "prefill_last.onnx", {"k_0": (-1, 2, 16, 16)})
