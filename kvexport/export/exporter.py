@@ -255,7 +255,7 @@ def _io(model) -> dict[str, list[str]]:
 def _capacity_axis(shapes: list[graphs.LayerShape]) -> tuple[list[graphs.LayerShape], Any]:
     """Layer shapes at an example capacity, and ``dynamic_shapes`` for (input_ids, positions, *cache): axis 2 of every
     cache tensor one dynamic dimension ``capacity`` in [2, capacity] (a full cache's buckets, kvexport.cache.plan
-    rule 7, or an evicting cache's prefill buckets, rule 7b)."""
+    rule 7, or the reading graphs of an evicting cache, rule 7b)."""
     from torch.export import Dim
 
     cap = shapes[0].capacity
