@@ -206,12 +206,15 @@ class CachePlan:
         cap = min(self.capacities)
         return bucket_slots(rows, cap) if self.bucketed else cap
 
-    def read_slots(self, fills) -> int:
+    def read_slots(self, fills) -> int | None:
         """Rule 7b. Slots per layer a prefill chunk or decode step reads when the layers (rows) hold ``fills`` tokens
-        before it: the bucket of the most of them when it is at most half the capacity, else the capacity."""
+        before it: the bucket of the most of them when it is at most half the capacity, else None (every layer's
+        whole capacity)."""
+        if not self.read_buckets:
+            return None
         cap = min(self.capacities)
         n = bucket_slots(max(fills, default=0), cap)
-        return n if self.read_buckets and 2 * n <= cap else cap
+        return n if 2 * n <= cap else None
 
     def ragged(self, chunk: Chunk, n_columns: int, step: "PrefillStep") -> bool:
         """Rule 2b. Whether ``chunk`` of a prompt of ``n_columns`` columns is fed at its real width: the last chunk,

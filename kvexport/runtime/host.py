@@ -348,11 +348,12 @@ class GraphHost(Driver):
             self._drop_staging(rows)
         return self._logits(rows), step.any_compaction
 
-    def _head_slots(self, arrays: dict, slots: int) -> dict:
+    def _head_slots(self, arrays: dict, slots: int | None) -> dict:
         """Plan rule 7b: the first ``slots`` slots of every cache buffer in ``arrays`` that holds more, as contiguous
-        copies (a graph binds contiguous buffers), held for one call. Empty when every buffer is that size."""
+        copies (a graph binds contiguous buffers), held for one call. Empty when ``slots`` is None (the whole
+        capacity) or every buffer is that size."""
         out = {}
-        for n, a in arrays.items():
+        for n, a in arrays.items() if slots is not None else ():
             if kind_of(n) not in ("kv", "scales", "positions") or a.shape[2] <= slots:
                 continue
             part = a[:, :, :slots]

@@ -81,13 +81,14 @@ def test_full_cache_refuses_what_does_not_fit():
         st.prefill(7)
 
 
-@pytest.mark.parametrize("fills,want", [([0, 0], 256), ([255, 256], 256), ([257, 100], 616), ([600, 600], 616)])
+@pytest.mark.parametrize("fills,want", [([0, 0], 256), ([255, 256], 256), ([257, 100], None), ([600, 600], None)])
 def test_read_slots_are_the_bucket_of_the_most_filled_layer(fills, want):
     """Rule 7b: budget 600 + window 16 = 616 slots; a call reads the power of two >= max(fills, 256) while it is at
-    most half of 616, else all 616."""
+    most half of 616, else all 616 (None: every layer's whole capacity)."""
     plan = CachePlan((600, 600), 16, True, 96, static_chunk=True, read_buckets=True)
     assert plan.read_slots(fills) == want
-    assert CachePlan((600, 600), 16, True, 96, static_chunk=True).read_slots(fills) == 616  # not bucketed
+    assert CachePlan((600, 600), 16, True, 96, static_chunk=True).read_slots(fills) is None  # not bucketed
+    assert CachePlan((600, 900), 16, True, 96).read_slots([0, 0]) is None  # per-layer budgets: never
     assert CachePlan((1100,) * 2, 16, True, 96, read_buckets=True).read_slots([257]) == 512  # 512 <= 1116 / 2
 
 
