@@ -192,27 +192,10 @@ def test_tensorrt_profile_spans_the_buckets(exports, press_export):
     """Without TensorRT: the engine builder's optimization profile for the capacity axis (recorded by stand-ins)."""
     from kvexport.errors import BadArtifact
     from kvexport.tensorrt.engine import capacity_profile, capacity_range
+    from tests.tensorrt.profile_stand_ins import Builder, Config
 
     _, full = exports("llama")
     assert capacity_range(full / "decode.onnx") == (MIN_BUCKET, CAPACITY)
-
-    class Profile:
-        def __init__(self):
-            self.shapes = {}
-
-        def set_shape(self, name, lo, opt, hi):
-            self.shapes[name] = (lo, opt, hi)
-
-    class Builder:
-        def create_optimization_profile(self):
-            return Profile()
-
-    class Config:
-        def __init__(self):
-            self.profiles = []
-
-        def add_optimization_profile(self, p):
-            self.profiles.append(p)
 
     config = Config()
     capacity_profile(Builder(), config, full / "decode.onnx", {"k_0": (1, 2, -1, 16)})

@@ -50,6 +50,26 @@ def exported(tmp_path_factory, tiny_models):
     return get
 
 
+def _record(graphs, pick) -> list:
+    """Wrap ``graphs.call`` (a host backend) to append ``pick(graph, feeds, arrays)`` of every call where it is not
+    None; -> the list it appends to."""
+    seen, call = [], graphs.call
+
+    def spy(graph, feeds, arrays, outputs, persistent=False):
+        got = pick(graph, feeds, arrays)
+        if got is not None:
+            seen.append(got)
+        return call(graph, feeds, arrays, outputs, persistent)
+
+    graphs.call = spy
+    return seen
+
+
+def _slots(arrays: dict) -> set:
+    """The slot counts (axis 2) of a call's cache inputs."""
+    return {a.shape[2] for a in arrays.values()}
+
+
 def _axis2(path, graph: str) -> set:
     m = onnx.load(str(path / f"{graph}.onnx"), load_external_data=False)
     return {(d := i.type.tensor_type.shape.dim[2]).dim_param or d.dim_value
@@ -71,14 +91,8 @@ def test_prefill_reads_the_bucket_of_what_is_filled(exported, name):
     gen = OrtGenerator(out, threads=1)
     s = gen.settings
     assert s["read_buckets"] == ["prefill", "decode", "prefill_last", "decode_batch"]
-    handed, call = [], gen.graphs.call
-
-    def spy(graph, feeds, arrays, outputs, persistent=False):
-        if graph.startswith("prefill"):
-            handed.append((graph, {arrays[n].shape[2] for n in arrays}, feeds["input_ids"].shape[1]))
-        return call(graph, feeds, arrays, outputs, persistent)
-
-    gen.graphs.call = spy
+    handed = _record(gen.graphs, lambda graph, feeds, arrays: (graph, _slots(arrays), feeds["input_ids"].shape[1])
+                     if graph.startswith("prefill") else None)
     ids = np.random.default_rng(7).integers(3, 128, (1, PROMPT))
     res = gen.generate(ids, None, NEW, keep_logits=True)
     fills, expect, n = 0, [], -(-PROMPT // CHUNK)
@@ -107,14 +121,7 @@ def test_a_short_sequence_decodes_over_its_bucket(exported, name):
     hf, out = exported(name)
     gen = OrtGenerator(out, threads=1)
     s = gen.settings
-    read, call = [], gen.graphs.call
-
-    def spy(graph, feeds, arrays, outputs, persistent=False):
-        if graph == "decode":
-            read.append({arrays[n].shape[2] for n in arrays})
-        return call(graph, feeds, arrays, outputs, persistent)
-
-    gen.graphs.call = spy
+    read = _record(gen.graphs, lambda graph, feeds, arrays: _slots(arrays) if graph == "decode" else None)
     ids = np.random.default_rng(3).integers(3, 128, (1, 100))
     res = gen.generate(ids, None, 200, keep_logits=True)
     assert read == [{_bucket(100 + k, BUDGET + WINDOW)} for k in range(199)]
@@ -138,14 +145,7 @@ def test_server_slots_decode_together_over_their_bucket(exported):
     hf, out = exported("gqa-int8")
     bank = SlotBank(OrtSessions(out, threads=1), slots=2)
     assert bank.batched
-    read, call = [], bank.graphs.call
-
-    def spy(graph, feeds, arrays, outputs, persistent=False):
-        if graph == "decode_batch":
-            read.append({arrays[n].shape[2] for n in arrays})
-        return call(graph, feeds, arrays, outputs, persistent)
-
-    bank.graphs.call = spy
+    read = _record(bank.graphs, lambda graph, feeds, arrays: _slots(arrays) if graph == "decode_batch" else None)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, 128, (1, 100)), rng.integers(3, 128, (1, 150))]
     n_new = 140
@@ -207,14 +207,8 @@ def test_a_short_last_chunk_runs_at_its_real_width(exported, tmp_path, tiny_mode
     s = gen.settings
     last = "prefill_last" if lookahead else "prefill"
     assert s["ragged_last"] == last
-    widths, call = [], gen.graphs.call
-
-    def spy(graph, feeds, arrays, outputs, persistent=False):
-        if graph.startswith("prefill"):
-            widths.append((graph, feeds["input_ids"].shape[1]))
-        return call(graph, feeds, arrays, outputs, persistent)
-
-    gen.graphs.call = spy
+    widths = _record(gen.graphs, lambda graph, feeds, arrays: (graph, feeds["input_ids"].shape[1])
+                     if graph.startswith("prefill") else None)
     full = CHUNK + lookahead
     want = {50: [(last, 50)], 100: [("prefill", full), (last, 4)], 97: [("prefill", full), (last, CHUNK)],
             PROMPT: [("prefill", full)] * (PROMPT // CHUNK) + [(last, CHUNK)]}  # 900: the last chunk compacts
@@ -249,26 +243,9 @@ def test_tensorrt_profile_spans_the_columns_and_the_buckets(exported):
     positions 2 to CHUNK columns and its cache 256 slots to the capacity; a dynamic axis anywhere else is refused."""
     from kvexport.errors import BadArtifact
     from kvexport.tensorrt.engine import capacity_profile
+    from tests.tensorrt.profile_stand_ins import Builder, Config
 
     _, out = exported("gqa-int8")
-
-    class Profile:
-        def __init__(self):
-            self.shapes = {}
-
-        def set_shape(self, name, lo, opt, hi):
-            self.shapes[name] = (lo, opt, hi)
-
-    class Builder:
-        def create_optimization_profile(self):
-            return Profile()
-
-    class Config:
-        def __init__(self):
-            self.profiles = []
-
-        def add_optimization_profile(self, p):
-            self.profiles.append(p)
 
     config, cap = Config(), BUDGET + WINDOW
     capacity_profile(Builder(), config, out / "prefill_last.onnx",
