@@ -19,6 +19,10 @@ Rows, all greedy decoding at batch 1 of the same model and prompt:
                     full cache that graph measured slower than decode.onnx's two-part read, docs/benchmarks.md)
     kvx-mla-full    kvexport MLA latent cache (r_kv + d_rope per token and layer, ≈6.4× smaller), static full cache
     kvx-mla-snapkv  MLA + SnapKV static budget
+    kvx-default     the export ``kvexport convert MODEL`` makes with its defaults (kvexport.convert.config: SnapKV
+                    2048 + 32 with lookahead and neighbours, chunk 512, int8 cache), fp32 weights; shapes that ship
+                    a GGUF (the real model) only, like the two peers below it in ``ROWS``
+    kvx-default-int4  the same with ``--weights int4`` (onnxruntime's MatMulNBits)
 
 Shapes: ``student`` (models/kvx-student), ``llama1b`` (Llama-3.2-1B's hidden size, heads, KV heads, head dim
 and MLP width with 2 layers, random weights), ``llama1b-16`` (all 16 layers, the vocabulary cut to 32k: decode
@@ -49,14 +53,20 @@ class Row:
     precision: str = "fp32"  # onnxruntime-genai builder's -p
     kv_dtype_bytes: int = 4  # bytes per cached K/V element (llama.cpp: fp16)
     real_model_peer: bool = False  # in the default rows only when a shape ships a GGUF (the real model)
+    #: the export ``kvexport convert MODEL`` makes with no compression flag (kvexport.convert.config's defaults,
+    #: through kvexport.convert.exporting.export_settings), with ``weights`` as ``--weights``; no batched graph
+    convert_defaults: bool = False
+    weights: str | None = None
 
     @property
     def static_budget(self) -> bool:
-        return self.press is not None
+        return self.press is not None or self.convert_defaults
 
     def export_kwargs(self, shape: "Shape", capacity: int | None = None) -> dict[str, Any]:
         """Keyword arguments of ``kvexport.export.export_model`` for this row on ``shape`` (``capacity``: the
         static full cache's slots)."""
+        if self.convert_defaults:
+            return _convert_default_kwargs(shape, self.weights)
         kw: dict[str, Any] = {"chunk": shape.chunk, "window": shape.window}
         if self.dynamic_cache:
             kw.update(press="none", dynamic_cache=True)
@@ -71,6 +81,17 @@ class Row:
         return kw
 
 
+def _convert_default_kwargs(shape: "Shape", weights: str | None) -> dict[str, Any]:
+    """``export_model`` keywords of ``kvexport convert`` with its defaults on a model of ``shape``'s positions (the
+    default budget fits them, as the convert stage fits it)."""
+    from kvexport.convert.config import ConvertConfig, default_budget
+    from kvexport.convert.exporting import export_settings
+
+    cfg = ConvertConfig(weights=weights, decode_batch=0).resolve()
+    cfg.budget = default_budget(shape.max_positions)
+    return export_settings(cfg)
+
+
 ROWS: dict[str, Row] = {r.name: r for r in [
     Row("hf", "hf", "HF transformers generate (PyTorch, full cache)"),
     Row("optimum", "optimum", "HF Optimum ONNX export (onnxruntime, full cache)"),
@@ -80,6 +101,10 @@ ROWS: dict[str, Row] = {r.name: r for r in [
     Row("llamacpp", "llamacpp", "llama.cpp (llama-cpp-python) on the GGUF as shipped, K/V cache fp16",
         kv_dtype_bytes=2, real_model_peer=True),
     Row("kvx-full", "kvx", "kvexport --press none: static full cache written in place (onnxruntime)", full=True),
+    Row("kvx-default", "kvx", "kvexport convert's default export (SnapKV 2048 + 32, lookahead 64, neighbours 3, "
+        "chunk 512, int8 cache), fp32 weights", convert_defaults=True, real_model_peer=True),
+    Row("kvx-default-int4", "kvx", "the same with --weights int4 (MatMulNBits, block 32)", convert_defaults=True,
+        weights="int4", precision="int4", real_model_peer=True),
     Row("kvx-snapkv", "kvx", "kvexport SnapKV static budget", press="snapkv", inplace=True),
     Row("kvx-streaming", "kvx", "kvexport StreamingLLM static budget", press="streaming_llm", inplace=True),
     Row("kvx-snapkv-std", "kvx", "kvexport SnapKV static budget, standard decode graph (what TensorRT runs)",
@@ -116,13 +141,18 @@ class Shape:
     def cache_shape(self, row: Row, dtype_bytes: int = 4, capacity: int | None = None) -> CacheShape:
         """Analytic cache layout of ``row`` on this shape (kvexport.cache.memory); ``capacity``: a static full
         cache's slots."""
+        budget, window, kv_dtype = self.budget, self.window, None
+        if row.convert_defaults:
+            from kvexport.convert.config import DEFAULT_KV_DTYPE, default_budget
+
+            budget, window, kv_dtype = default_budget(self.max_positions), DEFAULT_WINDOW, DEFAULT_KV_DTYPE
         return CacheShape(num_layers=self.layers, num_kv_heads=self.kv_heads, head_dim=self.head_dim,
                           mla_ranks=(self.mla_rank,) * self.layers if row.mla else None,
                           rope_dim=self.rope_dim if row.mla else 0,
-                          budget=self.budget if row.static_budget else None,
-                          window=self.window if row.static_budget else 0, dtype_bytes=dtype_bytes,
+                          budget=budget if row.static_budget else None,
+                          window=window if row.static_budget else 0, dtype_bytes=dtype_bytes,
                           capacity=capacity if row.full else None, query_heads=self.heads,
-                          query_dim=self.head_dim, vocab_size=self.vocab)
+                          query_dim=self.head_dim, vocab_size=self.vocab, kv_dtype=kv_dtype)
 
     def kv_bytes(self, row: Row, context: int, capacity: int | None = None) -> int:
         """K/V bytes held for one sequence of ``context`` tokens: budget + window slots with a press, the

@@ -32,18 +32,25 @@ def converted_job(st, in_memory: bool = True) -> tuple[Any, Path, dict[str, Any]
         model, source = st.mla_decoder, mla_dir
     else:  # written by the rewrite (or distill) stage
         model, source = mla_dir, None
+    kw = dict(export_settings(cfg), ops="custom", force=False, source=source, tokenizer_dir=st.model_path,
+              original=st.model_path)
+    return model, st.work / layout.ONNX_DIR, kw
+
+
+def export_settings(cfg) -> dict[str, Any]:
+    """The ``export_model`` keywords that a resolved :class:`~kvexport.convert.config.ConvertConfig` sets: press
+    (with its budget and neighbours), window, chunk, lookahead, batched decode rows, dtype, capacity, cache format
+    and weight format. What DIR/onnx is exported with, and what the benchmark's ``kvx-default`` rows export."""
     press = None
     if cfg.uses_press:
         from kvexport.presses import make_press
 
         press = make_press(cfg.press, budget=cfg.budget, neighbors=int(cfg.neighbors or 0))
-    kw = dict(press=press, budget=None, window=cfg.window if press else 32, chunk=cfg.chunk,
-              lookahead=int(cfg.lookahead or 0) if press else 0, batch=1,
-              decode_batch=int(cfg.decode_batch) if cfg.decode_batch else None,
-              dtype="fp16" if cfg.fp16 else "fp32", ops="custom", force=False, max_positions=cfg.max_positions,
-              kv_dtype=cfg.kv_dtype, source=source, tokenizer_dir=st.model_path, original=st.model_path,
-              weights=cfg.weights)
-    return model, st.work / layout.ONNX_DIR, kw
+    return dict(press=press, budget=None, window=cfg.window if press else 32, chunk=cfg.chunk,
+                lookahead=int(cfg.lookahead or 0) if press else 0, batch=1,
+                decode_batch=int(cfg.decode_batch) if cfg.decode_batch else None,
+                dtype="fp16" if cfg.fp16 else "fp32", max_positions=cfg.max_positions, kv_dtype=cfg.kv_dtype,
+                weights=cfg.weights)
 
 
 def baseline_job(st) -> tuple[Any, Path, dict[str, Any]]:
@@ -70,4 +77,4 @@ def run_jobs(jobs: list[tuple[Any, Path, dict[str, Any]]], progress=None) -> lis
     return outs
 
 
-__all__ = ["CHILD_EXPORT_BYTES", "export_in_child", "converted_job", "baseline_job", "run_jobs"]
+__all__ = ["CHILD_EXPORT_BYTES", "export_in_child", "converted_job", "export_settings", "baseline_job", "run_jobs"]

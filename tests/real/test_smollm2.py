@@ -278,3 +278,23 @@ def test_refit_carries_over_to_held_out_prose(decoder, transformers_original):
     for i in layers:  # measured: 0.53x on held-out prose for both
         assert after[i] < 0.7 * before[i], (i, before[i], after[i])
     assert [a for i, a in enumerate(after) if i not in layers] == [b for i, b in enumerate(before) if i not in layers]
+
+
+def test_the_benchmark_default_rows_export_what_convert_exports_by_default(converted_by_default):
+    """``python -m benchmarks --rows kvx-default,kvx-default-int4`` (docs/benchmarks.md's SmolLM2 targets) times the
+    export ``kvexport convert`` makes with no compression flag: its press, budget, neighbours, window, lookahead,
+    chunk and cache format as that conversion's manifest records them."""
+    from benchmarks.rows import ROWS, SHAPES
+    from kvexport.presses import make_press
+
+    assert converted_by_default.returncode == 0, converted_by_default.stderr[-3000:]
+    s = json.loads((converted_by_default.out / "onnx" / "manifest.json").read_text())["settings"]
+    shape = SHAPES["smollm2"]
+    for name, weights in (("kvx-default", None), ("kvx-default-int4", "int4")):
+        kw = ROWS[name].export_kwargs(shape)
+        press = kw["press"]
+        assert type(press) is type(make_press(s["press"]["name"], budget=1)), name
+        assert {k: getattr(press, k) for k in s["press"]["params"]} == s["press"]["params"], name
+        assert (kw["window"], kw["chunk"], kw["lookahead"], kw["kv_dtype"], kw["weights"]) == (
+            s["window"], s["chunk"], s["lookahead"], s["kv_dtype"], weights), name
+        assert shape.kv_bytes(ROWS[name], 8000) == shape.kv_bytes(ROWS[name], 4000)  # a static budget
