@@ -155,8 +155,8 @@ def _decompose_only_what_is_not_translated():
     the graph (functionalization and metadata collection, then make_fx) that is 40 % of a graph's export time,
     for graphs in which nothing but ``.to(dtype)``, ``&`` and ``1 - x`` lacks a translation. The pass is replaced
     by :func:`_rewrite_to_registered` when that covers every op of the graph and no size is computed from
-    symbolic sizes, and runs as before otherwise (any other op, size arithmetic, or another torch layout). The
-    student's default export: 45 -> 20 s; SmolLM2's: 266 -> 188 s; the graphs' outputs bit for bit equal."""
+    symbolic sizes, and runs as before otherwise (any other op, size arithmetic, or another torch layout).
+    Timings and the equality check: docs/export.md, "Export time"."""
     try:
         from torch.onnx._internal.exporter import _decomp, _fx_passes
 
