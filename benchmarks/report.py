@@ -231,12 +231,52 @@ def goals(res: dict) -> list[dict]:
             w = res["shapes"][sh]["weight_bytes"]
             r = c["export_bytes"] / w
             add(f"{sh}: {c['row']} export size ≤1.1× its weights", f"{r:.2f}× ({_bytes(c['export_bytes'])})", r <= 1.1)
+    for sh in shapes:
+        _real_model_goals(res, sh, ctxs, add)
     a, b = _find(res, s, "kvx-mla-snapkv", hi), _find(res, s, KV_REF, hi)
     if a is not None and b is not None:
         r = b["kv_bytes"] / a["kv_bytes"]
         add(f"{s} {_ctx(hi)}: MLA+budget KV bytes ≥50× smaller than {KV_REF}",
             f"{r:.0f}× ({_bytes(a['kv_bytes'])} vs {_bytes(b['kv_bytes'])})", r >= 50)
     return out
+
+
+#: issue 33's targets on a real model: (kvexport row, peer row, context, decode speed-up the kvexport row must reach)
+REAL_DECODE_TARGETS = (
+    [("kvx-default", "ortgenai", c, x) for c, x in ((512, 1.0), (2048, 1.3), (8192, 1.5))]
+    + [("kvx-default-int4", peer, c, x) for peer in ("ortgenai-int4", "llamacpp") for c, x in ((512, 1.0), (8192, 1.5))])
+#: (kvexport row, peer row) whose time to first token the kvexport row must not exceed, at every context
+REAL_TTFT_TARGETS = (("kvx-default", "ortgenai"), ("kvx-default-int4", "ortgenai-int4"))
+#: rows whose decode step must reach this share of the memory-bandwidth bound, at every context
+REAL_BOUND_ROWS, REAL_BOUND_SHARE = ("kvx-default", "kvx-default-int4"), 0.6
+
+
+def _real_model_goals(res: dict, sh: str, ctxs: list[int], add) -> None:
+    """Issue 33's targets on a real model's shape (one that ships a GGUF): decode speed-ups over onnxruntime-genai
+    and llama.cpp at equal weight precision, time to first token, and the share of the bandwidth bound."""
+    if not res["shapes"][sh].get("source", "").startswith("registry:"):
+        return
+    for row, peer, c, x in REAL_DECODE_TARGETS:
+        k, g = _find(res, sh, row, c), _find(res, sh, peer, c)
+        if _ok(k) and _ok(g):
+            r = g["decode_ms_median"] / k["decode_ms_median"]
+            add(f"{sh} {_ctx(c)}: {row} decode ≥ {x:g}× {peer}",
+                f"{r:.2f}× ({k['decode_ms_median']:.1f} vs {g['decode_ms_median']:.1f} ms)", r >= x)
+    for row, peer in REAL_TTFT_TARGETS:
+        for c in ctxs:
+            k, g = _find(res, sh, row, c), _find(res, sh, peer, c)
+            if _ok(k) and _ok(g) and k.get("prefill_s") and g.get("prefill_s"):
+                r = k["prefill_s"] / g["prefill_s"]
+                add(f"{sh} {_ctx(c)}: {row} time to first token ≤ 1.0× {peer}",
+                    f"{r:.2f}× ({k['prefill_s']:.2f} vs {g['prefill_s']:.2f} s)", r <= 1.0)
+    for row in REAL_BOUND_ROWS:
+        for c in ctxs:
+            k = _find(res, sh, row, c)
+            if _ok(k) and k.get("bound") and k["bound"].get("fraction_of_bandwidth"):
+                f = k["bound"]["fraction_of_bandwidth"]
+                add(f"{sh} {_ctx(c)}: {row} decode ≥ {REAL_BOUND_SHARE:.0%} of the memory-bandwidth bound",
+                    f"{f:.0%} ({k['decode_ms_median']:.1f} ms vs floor {k['bound']['floor_ms']:.1f} ms)",
+                    f >= REAL_BOUND_SHARE)
 
 
 def plots(res: dict, out: Path) -> list[Path]:

@@ -25,3 +25,32 @@ def test_llamacpp_row_counts_an_fp16_cache():
     n = 8000
     assert s.kv_bytes(ROWS["llamacpp"], n) == 2 * s.layers * s.kv_heads * s.head_dim * n * 2
     assert s.kv_bytes(ROWS["ortgenai-int4"], n) == 2 * s.kv_heads * s.head_dim * s.layers * n * 4  # fp32 cache
+
+
+def test_real_model_goals_state_issue_33s_targets():
+    """The goals table of a real-model run: decode speed-ups against the peers at equal weight precision, time to
+    first token and the share of the bandwidth bound, each computed from the cells' own numbers."""
+    from benchmarks.report import goals
+
+    def cell(row, ctx, ms, ttft, frac=None):
+        c = {"shape": "smollm2", "row": row, "context": ctx, "status": "ok", "decode_ms_median": ms, "prefill_s": ttft}
+        if frac is not None:
+            c["bound"] = {"fraction_of_bandwidth": frac, "floor_ms": ms * frac}
+        return c
+
+    cells = [cell("kvx-default", 512, 40.0, 1.5, 0.5), cell("ortgenai", 512, 42.0, 1.8),
+             cell("kvx-default", 8192, 40.0, 30.0, 0.7), cell("ortgenai", 8192, 100.0, 50.0),
+             cell("kvx-default-int4", 512, 20.0, 2.0), cell("ortgenai-int4", 512, 15.0, 1.9),
+             cell("llamacpp", 512, 30.0, 4.0)]
+    res = {"shapes": {"smollm2": {"source": "registry:smollm2"}}, "settings": {"contexts": [512, 8192]},
+           "cells": cells}
+    got = {g["goal"]: (g["measured"], g["met"]) for g in goals(res)}
+    assert got["smollm2 512: kvx-default decode ≥ 1× ortgenai"] == ("1.05× (40.0 vs 42.0 ms)", "yes")
+    assert got["smollm2 8k: kvx-default decode ≥ 1.5× ortgenai"] == ("2.50× (40.0 vs 100.0 ms)", "yes")
+    assert got["smollm2 512: kvx-default-int4 decode ≥ 1× ortgenai-int4"] == ("0.75× (20.0 vs 15.0 ms)", "no")
+    assert got["smollm2 512: kvx-default-int4 decode ≥ 1× llamacpp"] == ("1.50× (20.0 vs 30.0 ms)", "yes")
+    assert got["smollm2 512: kvx-default-int4 time to first token ≤ 1.0× ortgenai-int4"][1] == "no"
+    assert got["smollm2 8k: kvx-default time to first token ≤ 1.0× ortgenai"] == ("0.60× (30.00 vs 50.00 s)", "yes")
+    assert got["smollm2 512: kvx-default decode ≥ 60% of the memory-bandwidth bound"][1] == "no"
+    assert got["smollm2 8k: kvx-default decode ≥ 60% of the memory-bandwidth bound"][1] == "yes"
+    assert not any("2k" in g for g in got)  # a context not run gives no goal, not a guess
