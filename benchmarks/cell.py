@@ -58,6 +58,11 @@ class _TimedSession:
         return getattr(self._sess, item)
 
 
+#: the graphs a static export runs the prompt with (a prompt's chunks, the last one's graph with a lookahead, and the
+#: compactions between them): the prompt's time ends with the last of them
+PREFILL_GRAPHS = ("prefill", "prefill_last", "compact_prefill", "compact_prefill_tail")
+
+
 def run_kvx(spec: dict):
     from kvexport.runtime import generate, open_onnxruntime
 
@@ -78,14 +83,15 @@ def run_kvx(spec: dict):
             prefill_end, t_start = log[k - 1][2], log[0][1]
             ends = [e for _, _, e in log[k:]]
         else:
-            pre = [i for i, (g, _, _) in enumerate(log) if g in ("prefill", "compact_prefill")]
+            pre = [i for i, (g, _, _) in enumerate(log) if g in PREFILL_GRAPHS]
             t_start, prefill_end = log[0][1], log[pre[-1]][2]
             ends = [e for g, _, e in log[pre[-1] + 1:] if g == gen.decode_graph]
         ends = np.array([prefill_end, *ends])
         return {"prefill_s": float(prefill_end - t_start), "decode_ms": (np.diff(ends) * 1e3).tolist(),
                 "tokens": [int(x) for x in res.tokens[0, :16]], "cache_bytes": int(res.cache_bytes),
                 "resident_bytes": res.resident_bytes, "compactions": int(res.compactions),
-                "prefill_calls": (len(log) - spec["steps"]) if gen.dynamic else sum(1 for g, _, _ in log if g == "prefill")}
+                "prefill_calls": (len(log) - spec["steps"]) if gen.dynamic
+                else sum(1 for g, _, _ in log if g in ("prefill", "prefill_last"))}
 
     return cell
 
