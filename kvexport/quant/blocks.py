@@ -122,6 +122,24 @@ class Int4Blocks:
               _pack_pairs(self.zero_points))
         return b, self.scales, zp
 
+    def matmulnbits_split(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The checkpoint's 4-bit grid (float zero points) as MatMulNBits takes it at speed: B, scales and zero points
+        of 0 (packed uint8: onnxruntime 1.32's CPU kernel reads a float zero point 20x slower, measured on SmolLM2's
+        MatMuls), so the op computes ``x @ (codes * scale)``, plus each block's offset ``-zero_point * scale`` (the
+        float32 product :meth:`dequantize` adds) as a (k_blocks, N) matrix and the (K, k_blocks) 0/1 matrix that sums
+        ``x`` over each block: ``x @ w = MatMulNBits(x) + (x @ blocks) @ offsets``, the same sum in another order.
+        Needs K a multiple of the block (every own grid is)."""
+        if not self.float_zero_points:
+            raise ValueError("only the checkpoint's own grid (float zero points) is split")
+        k, n = self.shape
+        if k % self.block_size:
+            raise ValueError(f"K {k} is not a multiple of the block {self.block_size}")
+        b, scales, _ = self.matmulnbits()
+        zeros = np.zeros((n, (self.k_blocks + 1) // 2), np.uint8)
+        offsets = np.ascontiguousarray((-self.zero_points * self.scales).T.astype(np.float32))
+        blocks = np.repeat(np.eye(self.k_blocks, dtype=np.float32), self.block_size, axis=0)
+        return b, scales, zeros, offsets, blocks
+
     def int4_dq(self) -> tuple[bytes, np.ndarray]:
         """ONNX ``DequantizeLinear`` (opset 21, blocked along axis 0) inputs for a symmetric weight: the INT4 tensor
         (K, N) as raw bytes (row-major, two values a byte, low nibble first), scales (k_blocks, N) float32; no zero

@@ -442,6 +442,25 @@ def _int4_inputs(w: _Weight, store: _Store, new_inits: dict, rows: bool = False)
     return ins
 
 
+def _int4_split_inputs(w: _Weight, store: _Store, new_inits: dict) -> tuple[list[str], str, str]:
+    """A weight on the checkpoint's own grid for a MatMul (:meth:`Int4Blocks.matmulnbits_split`): the MatMulNBits
+    inputs (data, scales, zero points of 0), the (K, k_blocks) block-sum matrix (one per K and block, shared) and
+    the (k_blocks, N) offsets."""
+    import onnx
+
+    b, scales, zeros, offsets, blocks = w.blocks.matmulnbits_split()
+    k, _ = w.shape
+    u8, f32 = onnx.TensorProto.UINT8, onnx.TensorProto.FLOAT
+    ins = [_add(new_inits, store, f"q4_{w.tag}", u8, b.shape, ("q4", w.tag), b),
+           _add(new_inits, store, f"q4_{w.tag}_scales", f32, scales.shape, ("scales", w.tag), scales),
+           _add(new_inits, store, f"q4_zeros_{zeros.shape[0]}x{zeros.shape[1]}", u8, zeros.shape,
+                ("zeros", zeros.shape), zeros)]
+    bs = _add(new_inits, store, f"q4_block_sums_{k}x{blocks.shape[1]}", f32, blocks.shape, ("block_sums", blocks.shape),
+              blocks)
+    off = _add(new_inits, store, f"q4_{w.tag}_offsets", f32, offsets.shape, ("offsets", w.tag), offsets)
+    return ins, bs, off
+
+
 def _fp16_tensor(t, source: _Source, store: _Store, new_inits: dict) -> str:
     import onnx
 
@@ -469,8 +488,17 @@ def _linear_nodes(node, t, bias: str | None, w: _Weight, source: _Source, store:
         attrs = dict(K=k, N=n, bits=w.blocks.bits, block_size=block_size)
         if accuracy_level:
             attrs["accuracy_level"] = accuracy_level
-        new = [helper.make_node("MatMulNBits", [node.input[0], *_int4_inputs(w, store, new_inits)], [y],
-                                name=f"{node.name}_q4", domain=MS_DOMAIN, **attrs)]
+        if w.blocks.float_zero_points:  # the checkpoint's own grid: MatMulNBits at speed + the blocks' offsets
+            ins, blocks, offsets = _int4_split_inputs(w, store, new_inits)
+            yq, xs, off = f"{y}_codes", f"{node.name}_block_sums", f"{y}_offsets"
+            new = [helper.make_node("MatMulNBits", [node.input[0], *ins], [yq], name=f"{node.name}_q4",
+                                    domain=MS_DOMAIN, **attrs),
+                   helper.make_node("MatMul", [node.input[0], blocks], [xs], name=f"{node.name}_block_sums"),
+                   helper.make_node("MatMul", [xs, offsets], [off], name=f"{node.name}_offsets"),
+                   helper.make_node("Add", [yq, off], [y], name=f"{node.name}_q4_add")]
+        else:
+            new = [helper.make_node("MatMulNBits", [node.input[0], *_int4_inputs(w, store, new_inits)], [y],
+                                    name=f"{node.name}_q4", domain=MS_DOMAIN, **attrs)]
     else:
         assert w.blocks is not None
         raw, scales = w.blocks.int4_dq()

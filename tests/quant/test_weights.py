@@ -246,3 +246,30 @@ def test_refusals(student, tmp_path):
     other = torch.nn.Linear(128, 64)  # not the export's model
     with pytest.raises(BadArtifact, match="does not hold"):
         quantized_decoder(torch.nn.Sequential(other), entry)
+
+
+def test_a_gguf_grid_runs_at_speed_and_reads_the_same_weights(tiny_models, tmp_path):
+    """Weights on a Q4_1 grid (every Linear of a tiny Llama set to ``d * q + m`` per block of 32, as a GGUF file
+    holds them) keep their own blocks; their MatMulNBits take integer zero points of 0 (onnxruntime's CPU kernel
+    reads a float zero point about 20x slower) and the blocks' offsets ``m`` are added by two small MatMuls; the
+    export's logits are those of the PyTorch reference with the same weights."""
+    from tests.quant.test_blocks import _q4_1
+
+    model = tiny_models("llama", seed=5)
+    with torch.no_grad():
+        for i, lin in enumerate(m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head):
+            n, k = lin.weight.shape
+            lin.weight.copy_(torch.from_numpy(_q4_1(k, n, seed=i).T.copy()))
+    base = export_model(model, tmp_path / "fp32", press=make_press("tova", budget=48), window=8, chunk=16)
+    entry = quantize_export(base, "int4", out=tmp_path / "int4")
+    assert entry["own_blocks"] == 2 * 7, entry["own_blocks"]  # q/k/v/o, gate/up/down of 2 layers
+    m = onnx.load(str(tmp_path / "int4" / "decode.onnx"), load_external_data=False)
+    types = {t.name: t.data_type for t in m.graph.initializer}
+    nbits = [n for n in m.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 2 * 7 + 1  # and the untied head, re-quantized by onnxruntime's rule
+    assert all(types[n.input[3]] == TensorProto.UINT8 for n in nbits if len(n.input) > 3)
+    got, ref, orig = _logits(tmp_path / "int4", _prompts(128, (7, 60)), model)
+    scale = np.abs(ref).max()
+    assert np.abs(got - ref).max() <= 1e-5 * scale, np.abs(got - ref).max() / scale
+    assert np.array_equal(got.argmax(-1), ref.argmax(-1))
+    assert np.abs(got - orig).max() / scale > 1e-4  # the head did change: the check can tell weights apart
