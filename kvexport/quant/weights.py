@@ -488,7 +488,22 @@ def _linear_nodes(node, t, bias: str | None, w: _Weight, source: _Source, store:
         attrs = dict(K=k, N=n, bits=w.blocks.bits, block_size=block_size)
         if accuracy_level:
             attrs["accuracy_level"] = accuracy_level
-        if w.blocks.float_zero_points:  # the checkpoint's own grid: MatMulNBits at speed + the blocks' offsets
+        if w.blocks.bits == 8:  # a Q8_0 weight: two 4-bit MatMulNBits over its nibbles, at speed
+            (bh, sh), (bl, sl, zl) = w.blocks.matmulnbits_halves()
+            u8, f32 = onnx.TensorProto.UINT8, onnx.TensorProto.FLOAT
+            hi = [_add(new_inits, store, f"q8_{w.tag}_high", u8, bh.shape, ("q8_high", w.tag), bh),
+                  _add(new_inits, store, f"q8_{w.tag}_high_scales", f32, sh.shape, ("q8_high_scales", w.tag), sh)]
+            lo = [_add(new_inits, store, f"q8_{w.tag}_low", u8, bl.shape, ("q8_low", w.tag), bl),
+                  _add(new_inits, store, f"q4_{w.tag}_scales", f32, sl.shape, ("scales", w.tag), sl),
+                  _add(new_inits, store, f"q4_zeros_{zl.shape[0]}x{zl.shape[1]}", u8, zl.shape, ("zeros", zl.shape),
+                       zl)]
+            a4 = dict(attrs, bits=4)
+            new = [helper.make_node("MatMulNBits", [node.input[0], *hi], [f"{y}_high"], name=f"{node.name}_q8_high",
+                                    domain=MS_DOMAIN, **a4),
+                   helper.make_node("MatMulNBits", [node.input[0], *lo], [f"{y}_low"], name=f"{node.name}_q8_low",
+                                    domain=MS_DOMAIN, **a4),
+                   helper.make_node("Add", [f"{y}_high", f"{y}_low"], [y], name=f"{node.name}_q8_add")]
+        elif w.blocks.float_zero_points:  # the checkpoint's own grid: MatMulNBits at speed + the blocks' offsets
             ins, blocks, offsets = _int4_split_inputs(w, store, new_inits)
             yq, xs, off = f"{y}_codes", f"{node.name}_block_sums", f"{y}_offsets"
             new = [helper.make_node("MatMulNBits", [node.input[0], *ins], [yq], name=f"{node.name}_q4",
