@@ -254,7 +254,7 @@ REAL_BOUND_ROWS, REAL_BOUND_SHARE = ("kvx-default", "kvx-default-int4"), 0.6
 def _real_model_goals(res: dict, sh: str, ctxs: list[int], add) -> None:
     """Issue 33's targets on a real model's shape (one that ships a GGUF): decode speed-ups over onnxruntime-genai
     and llama.cpp at equal weight precision, time to first token, and the share of the bandwidth bound."""
-    if not res["shapes"][sh].get("source", "").startswith("registry:"):
+    if not (res["shapes"][sh].get("source") or "").startswith("registry:"):
         return
     for row, peer, c, x in REAL_DECODE_TARGETS:
         k, g = _find(res, sh, row, c), _find(res, sh, peer, c)

@@ -66,10 +66,13 @@ def test_kv_bytes_match_formula_and_allocation(tiny_run):
 
 #: K/V bytes of one sequence at 16,384 tokens, fp32, by hand: layers x elements per token and layer x 4 bytes x slots.
 #: student: 4 layers, 2·2·32 = 128 elements (MLA 12 + 8 = 20); llama1b: 2 layers, 2·8·64 = 1024 (MLA 128 + 32 = 160);
-#: a press holds budget 256 + window 32 = 288 slots, every other row the whole context (no capacity given).
+#: a press holds budget 256 + window 32 = 288 slots, every other row the whole context (no capacity given);
+#: convert's default export ("default") 2048 + 32 = 2080 slots of int8, 1 byte an element (its scales are resident
+#: bytes, not K/V).
 KV_BYTES_16K = {
-    "student": {"full": 33_554_432, "press": 589_824, "mla": 5_242_880, "mla_press": 92_160},
-    "llama1b": {"full": 134_217_728, "press": 2_359_296, "mla": 20_971_520, "mla_press": 368_640},
+    "student": {"full": 33_554_432, "press": 589_824, "mla": 5_242_880, "mla_press": 92_160, "default": 1_064_960},
+    "llama1b": {"full": 134_217_728, "press": 2_359_296, "mla": 20_971_520, "mla_press": 368_640,
+                "default": 4_259_840},
 }
 
 
@@ -80,6 +83,9 @@ def test_kv_bytes_by_hand(row, shape):
     cache is fp16, half)."""
     s, r = SHAPES[shape], ROWS[row]
     kind = {(False, False): "full", (False, True): "press", (True, False): "mla", (True, True): "mla_press"}
+    if r.convert_defaults:
+        assert s.kv_bytes(r, 16384) == KV_BYTES_16K[shape]["default"]
+        return
     assert s.kv_bytes(r, 16384) == KV_BYTES_16K[shape][kind[r.mla, r.press is not None]] * r.kv_dtype_bytes // 4
     if r.mla:
         assert s.mla_ratio() == pytest.approx(6.4)
