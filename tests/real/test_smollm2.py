@@ -285,7 +285,7 @@ def test_the_benchmark_default_rows_export_what_convert_exports_by_default(conve
     export ``kvexport convert`` makes with no compression flag: its press, budget, neighbours, window, lookahead,
     chunk and cache format as that conversion's manifest records them."""
     from benchmarks.rows import ROWS, SHAPES
-    from kvexport.presses import make_press
+    from kvexport.presses import PRESSES
 
     assert converted_by_default.returncode == 0, converted_by_default.stderr[-3000:]
     s = json.loads((converted_by_default.out / "onnx" / "manifest.json").read_text())["settings"]
@@ -293,7 +293,7 @@ def test_the_benchmark_default_rows_export_what_convert_exports_by_default(conve
     for name, weights in (("kvx-default", None), ("kvx-default-int4", "int4")):
         kw = ROWS[name].export_kwargs(shape)
         press = kw["press"]
-        assert type(press) is type(make_press(s["press"]["name"], budget=1)), name
+        assert type(press) is PRESSES[s["press"]["name"]], name
         assert {k: getattr(press, k) for k in s["press"]["params"]} == s["press"]["params"], name
         assert (kw["window"], kw["chunk"], kw["lookahead"], kw["kv_dtype"], kw["weights"]) == (
             s["window"], s["chunk"], s["lookahead"], s["kv_dtype"], weights), name
