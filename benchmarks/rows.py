@@ -142,10 +142,9 @@ class Shape:
         """Analytic cache layout of ``row`` on this shape (kvexport.cache.memory); ``capacity``: a static full
         cache's slots."""
         budget, window, kv_dtype = self.budget, self.window, None
-        if row.convert_defaults:
-            from kvexport.convert.config import DEFAULT_KV_DTYPE, default_budget
-
-            budget, window, kv_dtype = default_budget(self.max_positions), DEFAULT_WINDOW, DEFAULT_KV_DTYPE
+        if row.convert_defaults:  # what the row exports, not a second copy of convert's defaults
+            kw = row.export_kwargs(self)
+            budget, window, kv_dtype = kw["press"].budget, kw["window"], kw["kv_dtype"]
         return CacheShape(num_layers=self.layers, num_kv_heads=self.kv_heads, head_dim=self.head_dim,
                           mla_ranks=(self.mla_rank,) * self.layers if row.mla else None,
                           rope_dim=self.rope_dim if row.mla else 0,
