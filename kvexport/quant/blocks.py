@@ -122,6 +122,10 @@ class Int4Blocks:
               _pack_pairs(self.zero_points))
         return b, self.scales, zp
 
+    def zero_points_of_zero(self) -> np.ndarray:
+        """4-bit MatMulNBits zero points that are all 0, packed two a byte: (N, ceil(k_blocks / 2)) uint8."""
+        return np.zeros((self.codes.shape[0], (self.k_blocks + 1) // 2), np.uint8)
+
     def matmulnbits_split(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The checkpoint's 4-bit grid (float zero points) as MatMulNBits takes it at speed: B, scales and zero points
         of 0 (packed uint8: onnxruntime 1.32's CPU kernel reads a float zero point 20x slower, measured on SmolLM2's
@@ -135,7 +139,7 @@ class Int4Blocks:
         if k % self.block_size:
             raise ValueError(f"K {k} is not a multiple of the block {self.block_size}")
         b, scales, _ = self.matmulnbits()
-        zeros = np.zeros((n, (self.k_blocks + 1) // 2), np.uint8)
+        zeros = self.zero_points_of_zero()
         offsets = np.ascontiguousarray((-self.zero_points * self.scales).T.astype(np.float32))
         blocks = np.repeat(np.eye(self.k_blocks, dtype=np.float32), self.block_size, axis=0)
         return b, scales, zeros, offsets, blocks
@@ -153,7 +157,7 @@ class Int4Blocks:
         c = self._padded_codes()
         hi, lo = (c >> 4).astype(np.uint8), (c & 0xF).astype(np.uint8)
         pack = lambda v: _pack_pairs(v).reshape(n, self.k_blocks, self.block_size // 2)  # noqa: E731
-        zeros = np.zeros((n, (self.k_blocks + 1) // 2), np.uint8)
+        zeros = self.zero_points_of_zero()
         scales = self.scales.astype(np.float32)
         return (pack(hi), np.ascontiguousarray(scales * np.float32(16))), (pack(lo), scales, zeros)
 

@@ -442,6 +442,14 @@ def _int4_inputs(w: _Weight, store: _Store, new_inits: dict, rows: bool = False)
     return ins
 
 
+def _zeros_input(store: _Store, new_inits: dict, zeros) -> str:
+    """Packed zero points of 0 of one shape, stored once for every weight that has that shape."""
+    import onnx
+
+    return _add(new_inits, store, f"q4_zeros_{zeros.shape[0]}x{zeros.shape[1]}", onnx.TensorProto.UINT8, zeros.shape,
+                ("zeros", zeros.shape), zeros)
+
+
 def _int4_split_inputs(w: _Weight, store: _Store, new_inits: dict) -> tuple[list[str], str, str]:
     """A weight on the checkpoint's own grid for a MatMul (:meth:`Int4Blocks.matmulnbits_split`): the MatMulNBits
     inputs (data, scales, zero points of 0), the (K, k_blocks) block-sum matrix (one per K and block, shared) and
@@ -453,8 +461,7 @@ def _int4_split_inputs(w: _Weight, store: _Store, new_inits: dict) -> tuple[list
     u8, f32 = onnx.TensorProto.UINT8, onnx.TensorProto.FLOAT
     ins = [_add(new_inits, store, f"q4_{w.tag}", u8, b.shape, ("q4", w.tag), b),
            _add(new_inits, store, f"q4_{w.tag}_scales", f32, scales.shape, ("scales", w.tag), scales),
-           _add(new_inits, store, f"q4_zeros_{zeros.shape[0]}x{zeros.shape[1]}", u8, zeros.shape,
-                ("zeros", zeros.shape), zeros)]
+           _zeros_input(store, new_inits, zeros)]
     bs = _add(new_inits, store, f"q4_block_sums_{k}x{blocks.shape[1]}", f32, blocks.shape, ("block_sums", blocks.shape),
               blocks)
     off = _add(new_inits, store, f"q4_{w.tag}_offsets", f32, offsets.shape, ("offsets", w.tag), offsets)
@@ -495,8 +502,7 @@ def _linear_nodes(node, t, bias: str | None, w: _Weight, source: _Source, store:
                   _add(new_inits, store, f"q8_{w.tag}_high_scales", f32, sh.shape, ("q8_high_scales", w.tag), sh)]
             lo = [_add(new_inits, store, f"q8_{w.tag}_low", u8, bl.shape, ("q8_low", w.tag), bl),
                   _add(new_inits, store, f"q4_{w.tag}_scales", f32, sl.shape, ("scales", w.tag), sl),
-                  _add(new_inits, store, f"q4_zeros_{zl.shape[0]}x{zl.shape[1]}", u8, zl.shape, ("zeros", zl.shape),
-                       zl)]
+                  _zeros_input(store, new_inits, zl)]
             a4 = dict(attrs, bits=4)
             new = [helper.make_node("MatMulNBits", [node.input[0], *hi], [f"{y}_high"], name=f"{node.name}_q8_high",
                                     domain=MS_DOMAIN, **a4),
