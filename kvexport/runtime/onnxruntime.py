@@ -25,12 +25,12 @@ class OrtGenerator(GraphHost):
     backend = "onnxruntime"
 
     def __init__(self, path: str | Path, providers: list[str] | None = None, threads: int | None = None,
-                 share_weights: bool = True, inplace: bool | None = None):
+                 share_weights: bool = True, inplace: bool | None = None, prepack_decode: bool = True):
         man = verify_manifest(Path(path), ONNX_EXPORT)
         if man["settings"]["mode"] != "static":
             raise BadArtifact(f"{path} is a growing-past (--dynamic-cache) export: its memory grows with each sequence; "
                               "open it with kvexport.runtime.open_onnxruntime, or use a static-cache export")
-        super().__init__(OrtSessions(path, providers, threads, share_weights, inplace, man))
+        super().__init__(OrtSessions(path, providers, threads, share_weights, inplace, man, prepack_decode))
 
     @property
     def sessions(self) -> dict:
@@ -41,12 +41,12 @@ class OrtGenerator(GraphHost):
 
 
 def open_onnxruntime(path: str | Path, providers: list[str] | None = None, threads: int | None = None,
-                     share_weights: bool = True, inplace: bool | None = None):
+                     share_weights: bool = True, inplace: bool | None = None, prepack_decode: bool = True):
     """The step driver of an export directory on onnxruntime: :class:`OrtGenerator` for a static cache,
     :class:`~kvexport.runtime.growing.GrowingPast` for the ``--dynamic-cache`` baseline."""
     if (read_manifest(path).get("settings") or {}).get("mode") == "dynamic":  # verified by the driver
         return GrowingPast(path, providers, threads, share_weights)
-    return OrtGenerator(path, providers, threads, share_weights, inplace)
+    return OrtGenerator(path, providers, threads, share_weights, inplace, prepack_decode)
 
 
 __all__ = ["OrtGenerator", "open_onnxruntime"]
