@@ -89,13 +89,17 @@ def quantize(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor
     return code.to(torch.uint8), scale
 
 
+def unscaled(codes: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """codes (..., D) uint8 -> the values before their row's scale, float32 (exact: integers -127..127 for int8, the
+    e4m3 values for fp8)."""
+    if fmt.name == "int8":
+        return codes.float() - 128.0
+    return FP8_VALUES.to(codes.device)[codes.float().long()]  # via float: TensorRT casts UINT8 to f32 / f16 only
+
+
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, fmt: KVFormat, dtype: torch.dtype) -> torch.Tensor:
     """codes (..., D) uint8, scale (...) float16 -> values (..., D) in ``dtype`` (computed in float32)."""
-    if fmt.name == "int8":
-        v = codes.float() - 128.0
-    else:
-        v = FP8_VALUES.to(codes.device)[codes.float().long()]  # via float: TensorRT casts UINT8 to f32 / f16 only
-    return (v * scale.float()[..., None]).to(dtype)
+    return (unscaled(codes, fmt) * scale.float()[..., None]).to(dtype)
 
 
 def encode(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -118,11 +122,25 @@ def decode(stored: torch.Tensor, scale: torch.Tensor | None, fmt: KVFormat, dtyp
     return dequantize(stored, scale, fmt, dtype)
 
 
+def read_rows(k, v, ks, vs, fmt: KVFormat, dtype: torch.dtype, keys_as_codes: bool = False,
+              values_as_codes: bool = False) -> tuple:
+    """Stored rows -> what an attention module reads (the one rule of the PyTorch cache and the graphs): keys and
+    values in ``dtype`` (the tensors themselves when stored in it, a converted copy for a lossy format), except
+    that a quantized format is handed as :class:`QuantizedRows` to a module that reads codes itself:
+    ``keys_as_codes`` (its ``reads_quantized``), ``values_as_codes`` (its ``reads_quantized_values``)."""
+    if fmt.quantized:
+        return (QuantizedRows(k, ks, fmt) if keys_as_codes else decode(k, ks, fmt, dtype),
+                QuantizedRows(v, vs, fmt) if values_as_codes else decode(v, vs, fmt, dtype))
+    return decode(k, ks, fmt, dtype), decode(v, vs, fmt, dtype)
+
+
 @dataclass
 class QuantizedRows:
     """A quantized cache view handed to an attention module that reads codes itself (``reads_quantized = True``:
-    MLA's LatentAttention dequantizes in its kernel's load path). codes (B, Hc, S, D) uint8, scale (B, Hc, S)
-    float16; :meth:`dequantize` gives what every other module is handed instead."""
+    MLA's LatentAttention dequantizes in its kernel's load path; GQA attention multiplies a decode step's logits
+    and probabilities by the rows' scales instead of every key and value, :func:`kvexport.models.attention.attention`).
+    codes (B, Hc, S, D) uint8, scale (B, Hc, S) float16; :meth:`dequantize` gives what every other module is handed
+    instead."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -140,6 +158,10 @@ class QuantizedRows:
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(self.codes, self.scale, self.fmt, dtype)
 
+    def unscaled(self) -> torch.Tensor:
+        """The values before the rows' scales, float32 (B, Hc, S, D): ``dequantize`` is this times ``scale``."""
+        return unscaled(self.codes, self.fmt)
 
-__all__ = ["SCALE_MIN", "SCALE_MAX", "FP8_VALUES", "storage_dtype", "row_scale", "quantize", "dequantize", "encode",
-           "decode", "QuantizedRows"]
+
+__all__ = ["SCALE_MIN", "SCALE_MAX", "FP8_VALUES", "storage_dtype", "row_scale", "quantize", "unscaled", "dequantize",
+           "encode", "decode", "read_rows", "QuantizedRows"]

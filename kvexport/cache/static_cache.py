@@ -22,7 +22,7 @@ from kvexport.cache.candidates import gather_slots, keep_best, select_kept, topk
 from kvexport.cache.formats import KVFormat, kv_format
 from kvexport.cache.memory import measure
 from kvexport.cache.plan import CachePlan, CacheState, ring_order
-from kvexport.cache.quant import QuantizedRows, decode, encode, storage_dtype
+from kvexport.cache.quant import decode, encode, read_rows, storage_dtype
 from kvexport.errors import BadUsage
 
 
@@ -43,7 +43,8 @@ class LayerCache:
         self.budget, self.window = int(budget), int(window)
         self.capacity = int(capacity)  # the plan's (kvexport.cache.plan.CachePlan.capacities)
         self.dtype = dtype
-        self.reads_quantized = False  # the attention module takes QuantizedRows (set by StaticCache.set_kv_dtype)
+        # the attention module takes QuantizedRows for its keys / values (set by StaticCache.set_kv_dtype)
+        self.reads_quantized = self.reads_quantized_values = False
         self._alloc(batch, heads, key_dim, value_dim, device, kv_format(kv_dtype, dtype_name(dtype)))
         W = self.window if evicting else 0
         self.qbuf = torch.zeros(batch, q_heads, W, q_dim, dtype=dtype, device=device)
@@ -83,17 +84,15 @@ class LayerCache:
     def view(self, fill: int) -> tuple:
         """The first ``fill`` slots as attention reads them (besides its own tokens): k, v in the model's dtype
         (dequantized / converted copies for a lossy format; the buffers themselves otherwise), pos. An attention
-        module with ``reads_quantized`` gets the keys as :class:`~kvexport.cache.quant.QuantizedRows` instead."""
+        module with ``reads_quantized`` (``reads_quantized_values``) gets the keys (values) as
+        :class:`~kvexport.cache.quant.QuantizedRows` instead (:func:`~kvexport.cache.quant.read_rows`)."""
         return self.read(*self.stored(fill), self.pos[:, :, :fill])
 
     def read(self, k, v, ks, vs, pos) -> tuple:
         """Stored rows (as :meth:`stored` gives them, of this cache or several stacked) and their positions -> what
         attention reads (:meth:`view`)."""
-        if self.fmt.quantized and self.reads_quantized:
-            return QuantizedRows(k, ks, self.fmt), decode(v, vs, self.fmt, self.dtype), pos
-        if self.lossy:
-            k, v = decode(k, ks, self.fmt, self.dtype), decode(v, vs, self.fmt, self.dtype)
-        return k, v, pos
+        return (*read_rows(k, v, ks, vs, self.fmt, self.dtype, self.reads_quantized, self.reads_quantized_values),
+                pos)
 
     def _scored(self, fill: int) -> tuple:
         """The first ``fill`` slots as a press scores them (what is stored, read back in the model's dtype)."""
@@ -221,6 +220,7 @@ class StaticCache:
             ly._alloc(B, H, Dk, ly.v.shape[-1], ly.k.device, kv_format(kv_dtype, dtype_name(ly.dtype)))
             attn = decoder.layers[i].self_attn if decoder is not None else None
             ly.reads_quantized = bool(getattr(attn, "reads_quantized", False))
+            ly.reads_quantized_values = bool(getattr(attn, "reads_quantized_values", False))
         return self
 
     @property

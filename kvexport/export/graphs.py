@@ -34,7 +34,7 @@ from kvexport import ops
 from kvexport.cache.candidates import keep_best
 from kvexport.cache.formats import kv_format, layer_fields
 from kvexport.cache.plan import capacities
-from kvexport.cache.quant import QuantizedRows, decode, encode, storage_dtype
+from kvexport.cache.quant import decode, encode, read_rows, storage_dtype
 from kvexport.cache.static_cache import dtype_name
 from kvexport.errors import BadUsage
 from kvexport.presses.context import ScoreContext
@@ -160,10 +160,9 @@ class _CacheGraph(nn.Module):
     def read(self, i: int, t: dict) -> tuple:
         """What layer i's attention is handed (as :meth:`kvexport.cache.static_cache.LayerCache.view` does)."""
         attn = self.decoder.layers[i].self_attn
-        if self.fmt.quantized and getattr(attn, "reads_quantized", False):
-            return (QuantizedRows(t["k"], t["ks"], self.fmt), decode(t["v"], t.get("vs"), self.fmt, self.dtype),
-                    t["pos"])
-        return self.scored(t)
+        return (*read_rows(t["k"], t["v"], t.get("ks"), t.get("vs"), self.fmt, self.dtype,
+                           getattr(attn, "reads_quantized", False), getattr(attn, "reads_quantized_values", False)),
+                t["pos"])
 
     #: whether a compaction's observation queries are the last candidates' own (plan rule 3b: not a lookahead tail's)
     own_observers = True

@@ -14,6 +14,7 @@ import contextlib
 import torch
 from torch import nn
 
+from kvexport.cache.quant import QuantizedRows
 from kvexport.cache.visibility import visible
 from kvexport.models.rope import Rotary
 from kvexport.models.spec import ModelSpec
@@ -95,6 +96,24 @@ def reads_in_parts(k_past: torch.Tensor, v_past: torch.Tensor) -> bool:
     return cached * k_past.shape[0] > CONCAT_LIMIT_BYTES
 
 
+def reads_codes(q: torch.Tensor, k_past, v_past, k_new: torch.Tensor) -> bool:
+    """Whether :func:`attention` reads a quantized past (:class:`~kvexport.cache.quant.QuantizedRows` keys and
+    values) by its codes, with the rows' scales multiplied into the logits and the probabilities instead of into
+    every key and value (read as two parts, :func:`attention_over_parts`, whatever the cache's size): float32
+    attention whose every past slot meets fewer queries (G x T, T a static width) than it has channels, which is a
+    decode step (G x T = 3 against 64 on SmolLM2). The exported decode graph then makes one pass less over the
+    cache per step. Else the past is dequantized first. Shapes and dtypes only, so the eager library path and a
+    traced graph take the same arithmetic (an int8 cache turns a rounding difference into a code apart)."""
+    if not (isinstance(k_past, QuantizedRows) and isinstance(v_past, QuantizedRows)) or q.dtype != torch.float32:
+        return False
+    if (_FUSED_EAGER and _eager()) or (not isinstance(k_past.shape[2], torch.SymInt) and k_past.shape[2] == 0):
+        return False
+    if isinstance(q.shape[2], torch.SymInt):  # a last chunk of dynamic width (plan rule 2b): no guard on its width
+        return False
+    gt = (q.shape[1] // k_new.shape[1]) * q.shape[2]
+    return gt < min(k_past.shape[-1], v_past.shape[-1])
+
+
 def attention(q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos, scaling: float,
               sliding_window: int | None = None) -> torch.Tensor:
     """Attention of q (B, Hq, T, Dk) over the past (B, Hc, S, .) and this step's tokens (B, Hc, T, .).
@@ -103,8 +122,15 @@ def attention(q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos, scaling
     read as two parts (:func:`attention_over_parts`, no copy of the cache). The rule depends on shapes only
     (:data:`CONCAT_LIMIT_BYTES`), so an exported graph carries one of the two, and both are the same softmax. A
     cache whose length is a symbolic dimension (a bucketed full cache, traced with a dynamic capacity axis) is
-    read as two parts: its size is not known when the graph is made.
+    read as two parts: its size is not known when the graph is made. A quantized past
+    (:class:`~kvexport.cache.quant.QuantizedRows`) is read by its codes where :func:`reads_codes` says so, else
+    dequantized here first.
     """
+    if isinstance(k_past, QuantizedRows) or isinstance(v_past, QuantizedRows):
+        if reads_codes(q, k_past, v_past, k_new):
+            return attention_over_parts(q, [(k_past, v_past, pos_past), (k_new, v_new, pos_new)], q_pos, scaling,
+                                        sliding_window)
+        k_past, v_past = (x.dequantize(k_new.dtype) if isinstance(x, QuantizedRows) else x for x in (k_past, v_past))
     if _FUSED_EAGER and _eager() and q.dtype == torch.float32 and k_past.dtype == q.dtype:
         return _attention_eager(q, k_past, v_past, pos_past, k_new, v_new, pos_new, q_pos, scaling, sliding_window)
     if not isinstance(k_past.shape[2], torch.SymInt) and k_past.shape[2] == 0:
@@ -175,11 +201,18 @@ def attention_over_parts(q, parts, q_pos, scaling: float, sliding_window: int | 
     fmin = torch.finfo(torch.float32).min
     # eager and without gradients, the (B, Hc, G, T, S) logits are scaled, masked and exponentiated where they lie:
     # the same values, a third less time than a new tensor for each step (traced graphs keep the plain forms)
-    inplace = _eager() and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, *sum(parts, ()))))
+    floats = [t for t in (q, *sum(parts, ())) if not isinstance(t, QuantizedRows)]
+    inplace = _eager() and not (torch.is_grad_enabled() and any(t.requires_grad for t in floats))
+    out_dtype = next((v.dtype for _, v, _ in parts if not isinstance(v, QuantizedRows)), q.dtype)
     logits = []
     for k, _, k_pos in parts:
-        lg = torch.matmul(qg, k.transpose(-1, -2)).reshape(B, Hc, G, T, k.shape[2])
-        lg = (lg.mul_(scaling) if inplace else lg * scaling).float()
+        if isinstance(k, QuantizedRows):  # codes: q . (c s) = (q . c) s, one product per slot and query (float32)
+            lg = torch.matmul(qg, k.unscaled().transpose(-1, -2)).reshape(B, Hc, G, T, k.shape[2])
+            per_slot = (k.scale.float() * scaling)[:, :, None, None, :]
+            lg = lg.mul_(per_slot) if inplace else lg * per_slot
+        else:
+            lg = torch.matmul(qg, k.transpose(-1, -2)).reshape(B, Hc, G, T, k.shape[2])
+            lg = (lg.mul_(scaling) if inplace else lg * scaling).float()
         if inplace:
             logits.append(lg.masked_fill_(~visibility_mask(q_pos, k_pos, sliding_window), fmin))
         else:
@@ -189,10 +222,13 @@ def attention_over_parts(q, parts, q_pos, scaling: float, sliding_window: int | 
     for lg, (_, v, _) in zip(logits, parts, strict=True):
         # masked entries: exp(min - m) = 0, unless nothing is visible (then 1)
         e = lg.sub_(m).exp_() if inplace else torch.exp(lg - m)
-        n = torch.matmul(e.to(v.dtype).reshape(B, Hc, G * T, -1), v).float()
+        if isinstance(v, QuantizedRows):  # sum_j e_j (c_j s_j) = sum_j (e_j s_j) c_j
+            n = torch.matmul((e * v.scale.float()[:, :, None, None, :]).reshape(B, Hc, G * T, -1), v.unscaled())
+        else:
+            n = torch.matmul(e.to(v.dtype).reshape(B, Hc, G * T, -1), v).float()
         d = e.sum(-1).reshape(B, Hc, G * T, 1)
         num, den = (n, d) if num is None else (num + n, den + d)
-    return (num / den).to(parts[0][1].dtype).reshape(B, Hq, T, -1)
+    return (num / den).to(out_dtype).reshape(B, Hq, T, -1)
 
 
 class GQAAttention(nn.Module):
@@ -224,6 +260,9 @@ class GQAAttention(nn.Module):
 
     # The cache stores what these return; an MLA attention returns a latent instead (same contract).
     cache_heads = property(lambda self: self.num_kv_heads)
+    #: an int8 / fp8 cache is handed as codes (:class:`~kvexport.cache.quant.QuantizedRows`), keys and values:
+    #: :func:`attention` reads a decode step's past by its codes (:func:`reads_codes`) and dequantizes otherwise
+    reads_quantized = reads_quantized_values = True
     key_dim = property(lambda self: self.head_dim)
     value_dim = property(lambda self: self.head_dim)
 

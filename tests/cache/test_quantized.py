@@ -178,7 +178,10 @@ def test_cache_stores_codes_and_counts_them():
         cache = res.cache
         ly = cache.layers[0]
         assert ly.k.dtype == torch.uint8 and ly.ks.dtype == torch.float16 and ly.ks.shape == ly.k.shape[:3]
-        k, v, _ = ly.view(ly.fill)
+        k, v, _ = ly.view(ly.fill)  # GQA attention is handed the codes (it reads a decode step's past by them)
+        assert isinstance(k, quant.QuantizedRows) and isinstance(v, quant.QuantizedRows)
+        assert k.codes.data_ptr() == ly.k.data_ptr() and v.scale.data_ptr() == ly.vs.data_ptr()  # views, no copy
+        k = k.dequantize(torch.float32)
         torch.testing.assert_close(k, quant.dequantize(ly.k[:, :, : ly.fill], ly.ks[:, :, : ly.fill], FORMATS[name],
                                                        torch.float32), atol=0, rtol=0)
         L, H, cap, D, Hq, W = s.num_layers, s.num_kv_heads, 16, s.head_dim, s.num_heads, 4

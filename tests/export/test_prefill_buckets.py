@@ -113,8 +113,10 @@ def test_prefill_reads_the_bucket_of_what_is_filled(exported, name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_short_sequence_decodes_over_its_bucket(exported, name):
     """A 100-token prompt decoding 200 tokens: steps read 256 slots until the cache holds 256, then the capacity;
-    every step's logits against the library path."""
+    every step's logits against the library path, within validate's gate for the export's cache (an int8 cache:
+    the two sides may store a value at a rounding boundary one code apart, kvexport.export.parity)."""
     from kvexport.export import OrtGenerator
+    from kvexport.export.parity import ParityRule
     from kvexport.export.reference import load_reference_model, reference_generate
     from kvexport.export.source import press_from_dict
 
@@ -129,8 +131,12 @@ def test_a_short_sequence_decodes_over_its_bucket(exported, name):
     ref = reference_generate(load_reference_model({"settings": s}, hf), s, press_from_dict(s["press"]), ids,
                              np.ones_like(ids), 200)
     np.testing.assert_array_equal(res.tokens, ref.tokens.numpy())
-    np.testing.assert_allclose(np.stack(res.step_logits), np.stack([x.numpy() for x in ref.step_logits]), atol=1e-4,
-                               rtol=0)
+    atol = ParityRule(s).tolerances[0]
+    assert atol == (0.25 if name == "gqa-int8" else 1e-4)
+    got, want = np.stack(res.step_logits), np.stack([x.numpy() for x in ref.step_logits])
+    np.testing.assert_allclose(got, want, atol=atol, rtol=0)
+    # until the first step whose logits part, the float32 arithmetic agrees to its rounding
+    np.testing.assert_allclose(got[:10], want[:10], atol=1e-4, rtol=0)
 
 
 def test_server_slots_decode_together_over_their_bucket(exported):
