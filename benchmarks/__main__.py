@@ -141,8 +141,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         a.cell_timeout = a.cell_timeout or 60
     a.shapes = [s.strip() for s in (a.shapes or "student,llama1b").split(",") if s.strip()]
     real = any(SHAPES[s].gguf for s in a.shapes if s in SHAPES)  # the real-model peers join the default rows
-    a.rows = [r.strip() for r in (a.rows or ",".join(r for r in ROWS if real or not ROWS[r].real_model_peer)).split(",")
-              if r.strip()]
+    default_rows = (r for r, row in ROWS.items() if (real or not row.real_model_peer) and not row.on_request)
+    a.rows = [r.strip() for r in (a.rows or ",".join(default_rows)).split(",") if r.strip()]
     a.contexts = [int(c) for c in (a.contexts or ",".join(map(str, CONTEXTS_FULL))).split(",") if c.strip()]
     a.steps = a.steps or 64
     a.cell_timeout = a.cell_timeout or 150.0

@@ -11,6 +11,8 @@ Rows, all greedy decoding at batch 1 of the same model and prompt:
     llamacpp        llama.cpp (llama-cpp-python, own venv) on the shape's GGUF as shipped (smollm2: Q4_1), K/V fp16
     kvx-full        kvexport ``--press none``: a full cache of up to the run's largest context, written in place,
                     held in power-of-two buckets (kvexport.cache.plan rule 7)
+    kvx-full-inplace  kvx-full with ``--inplace-decode`` (decode_inplace.ort.onnx over the full cache): issue 33's
+                    "full-cache in-place decode no slower than decode.onnx at any length"
     kvx-snapkv      kvexport static budget, SnapKV, budget + window slots per layer
     kvx-streaming   kvexport static budget, StreamingLLM
     kvx-snapkv-std  kvx-snapkv without the in-place decode graph: decode.onnx, standard ONNX ops only (the graph
@@ -23,6 +25,8 @@ Rows, all greedy decoding at batch 1 of the same model and prompt:
                     2048 + 32 with lookahead and neighbours, chunk 512, int8 cache), fp32 weights; shapes that ship
                     a GGUF (the real model) only, like the two peers below it in ``ROWS``
     kvx-default-int4  the same with ``--weights int4`` (onnxruntime's MatMulNBits)
+    kvx-default-int4-a8  the same with ``--weights int4-a8`` (MatMulNBits with int8 activations, accuracy level 4:
+                    the arithmetic onnxruntime-genai's int4 row runs)
 
 Shapes: ``student`` (models/kvx-student), ``llama1b`` (Llama-3.2-1B's hidden size, heads, KV heads, head dim
 and MLP width with 2 layers, random weights), ``llama1b-16`` (all 16 layers, the vocabulary cut to 32k: decode
@@ -53,6 +57,7 @@ class Row:
     precision: str = "fp32"  # onnxruntime-genai builder's -p
     kv_dtype_bytes: int = 4  # bytes per cached K/V element (llama.cpp: fp16)
     real_model_peer: bool = False  # in the default rows only when a shape ships a GGUF (the real model)
+    on_request: bool = False  # never in the default rows: only when named in --rows
     #: the export ``kvexport convert MODEL`` makes with no compression flag (kvexport.convert.config's defaults,
     #: through kvexport.convert.exporting.export_settings), with ``weights`` as ``--weights``; no batched graph
     convert_defaults: bool = False
@@ -101,10 +106,14 @@ ROWS: dict[str, Row] = {r.name: r for r in [
     Row("llamacpp", "llamacpp", "llama.cpp (llama-cpp-python) on the GGUF as shipped, K/V cache fp16",
         kv_dtype_bytes=2, real_model_peer=True),
     Row("kvx-full", "kvx", "kvexport --press none: static full cache written in place (onnxruntime)", full=True),
+    Row("kvx-full-inplace", "kvx", "kvx-full with --inplace-decode (onnxruntime's GroupQueryAttention over the full "
+        "cache)", full=True, inplace=True, on_request=True),
     Row("kvx-default", "kvx", "kvexport convert's default export (SnapKV 2048 + 32, lookahead 64, neighbours 3, "
         "chunk 512, int8 cache), fp32 weights", convert_defaults=True, real_model_peer=True),
     Row("kvx-default-int4", "kvx", "the same with --weights int4 (MatMulNBits, block 32)", convert_defaults=True,
         weights="int4", precision="int4", real_model_peer=True),
+    Row("kvx-default-int4-a8", "kvx", "the same with --weights int4-a8 (int8 activations, as onnxruntime-genai int4)",
+        convert_defaults=True, weights="int4-a8", precision="int4", real_model_peer=True),
     Row("kvx-snapkv", "kvx", "kvexport SnapKV static budget", press="snapkv", inplace=True),
     Row("kvx-streaming", "kvx", "kvexport StreamingLLM static budget", press="streaming_llm", inplace=True),
     Row("kvx-snapkv-std", "kvx", "kvexport SnapKV static budget, standard decode graph (what TensorRT runs)",

@@ -51,7 +51,8 @@ def convert_cmd(
                                            "export's dtype. A lossy format is also validated against its fp32 twin."),
     weights: Optional[str] = typer.Option(None, "--weights", help="How DIR/onnx stores the model's MatMul weights: "
                                           "fp32 (default), fp16, int4 (onnxruntime MatMulNBits; a GGUF model keeps "
-                                          "its own Q4_1 / Q8_0 blocks) or int4-qdq "
+                                          "its own Q4_1 / Q8_0 blocks), int4-a8 (the same "
+                                          "with int8 activations: faster on a CPU, not bit-faithful) or int4-qdq "
                                           "(INT4 DequantizeLinear for TensorRT); validated against PyTorch on the "
                                           "same weights, fidelity against the original (docs/quantized.md)."),
     validate: Optional[bool] = typer.Option(None, "--validate/--no-validate", help="Check parity (default on)."),

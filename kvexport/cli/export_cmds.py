@@ -38,7 +38,8 @@ def export_cmd(
     weights: Optional[str] = typer.Option(None, "--weights", help="How the graphs store the model's MatMul weights: "
                                           "fp32 (as traced, the default), fp16, int4 (onnxruntime MatMulNBits, "
                                           "blocks of 32, float32 activations; a GGUF model keeps its own Q4_1 / "
-                                          "Q8_0 blocks) or int4-qdq (INT4 DequantizeLinear for "
+                                          "Q8_0 blocks), int4-a8 (the same with int8 activations, accuracy level 4: "
+                                          "faster on a CPU) or int4-qdq (INT4 DequantizeLinear for "
                                           "TensorRT); validate compares it with PyTorch on the same weights "
                                           "(docs/quantized.md)."),
     ops: str = typer.Option("custom", help="custom: kvexport::TopKGather / LatentAttention nodes (backed by ONNX "

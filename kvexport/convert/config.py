@@ -16,7 +16,7 @@ reason):
 - Distillation needs a teacher, data and MLA (it repairs the MLA rewrite).
 - ``--allow-partial`` only means something with ``--target tensorrt``.
 - ``--kv-dtype`` is one of kvexport.cache.formats' names (fp32, fp16, bf16, int8, fp8).
-- ``--weights`` is fp32, fp16, int4 or int4-qdq (kvexport.quant), and only for an fp32 export (not with ``--fp16``).
+- ``--weights`` is fp32, fp16, int4, int4-a8 or int4-qdq (kvexport.quant), and only for an fp32 export (not with ``--fp16``).
 
 The resolved settings are saved as ``DIR/convert.json``; ``--config DIR/convert.json`` reads them
 back, so ``kvexport convert --config A/convert.json --out B`` redoes the conversion of A.
@@ -89,7 +89,7 @@ class ConvertConfig:
     #: how the exported cache stores K/V (or the MLA latent): fp32, fp16, bf16, int8, fp8 (docs/quantized.md);
     #: None = the export's dtype
     kv_dtype: str | None = None
-    #: how DIR/onnx stores the model's MatMul weights: fp32, fp16, int4, int4-qdq (kvexport.quant, docs/quantized.md);
+    #: how DIR/onnx stores the model's MatMul weights: fp32, fp16, int4, int4-a8, int4-qdq (kvexport.quant, docs/quantized.md);
     #: None = as traced (fp32). The baseline keeps the model's weights.
     weights: str | None = None
     validate: bool = True
@@ -314,8 +314,8 @@ class ConvertConfig:
             from kvexport.quant.weights import check_weights
 
             check_weights(self.weights, "fp16" if self.fp16 else "fp32")  # one line: an unknown name, or with --fp16
-            if self.weights == "int4" and self.target == "tensorrt":
-                raise BadUsage("--weights int4 is onnxruntime's MatMulNBits, which TensorRT does not take; use "
+            if self.weights in ("int4", "int4-a8") and self.target == "tensorrt":
+                raise BadUsage(f"--weights {self.weights} is onnxruntime's MatMulNBits, which TensorRT does not take; use "
                                "--weights int4-qdq (INT4 DequantizeLinear) with --target tensorrt")
         if self.target not in TARGETS:
             raise BadUsage(f"--target {self.target!r} is not one of: {', '.join(TARGETS)}")

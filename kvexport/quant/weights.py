@@ -47,9 +47,11 @@ import numpy as np
 from kvexport.errors import BadUsage
 from kvexport.quant.blocks import BITS, DEFAULT_BLOCK, Int4Blocks, check_block_size, quantize_int4, to_fp16
 
-FORMATS = ("int4", "int4-qdq", "fp16")
-#: what ``--weights`` takes: fp32 (the weights as traced, no post-pass) or one of the pass's formats
-CHOICES = ("fp32", "fp16", "int4", "int4-qdq")
+FORMATS = ("int4", "int4-a8", "int4-qdq", "fp16")
+#: what ``--weights`` takes: fp32 (the weights as traced, no post-pass) or one of the pass's formats. ``int4-a8``
+#: is ``int4`` at MatMulNBits accuracy level 4 (int8 activations inside the op, what onnxruntime-genai's ``-p int4``
+#: runs on the CPU): the manifest records format "int4" with ``accuracy_level`` 4
+CHOICES = ("fp32", "fp16", "int4", "int4-a8", "int4-qdq")
 WEIGHTS_FILE = "weights.data"  # kvexport.export.exporter.WEIGHTS_FILE
 ALIGN = 64  # byte alignment of each tensor in the file (the exporter's)
 MS_DOMAIN = "com.microsoft"
@@ -195,6 +197,8 @@ def quantize_export(export_dir: str | os.PathLike, weights: str = "int4", block_
 
     if check_weights(weights) is None:
         raise BadUsage(f"--weights {weights}: the export's weights are fp32 already; nothing to rewrite")
+    if weights == "int4-a8":
+        weights, accuracy_level = "int4", 4
     block_size = check_block_size(block_size)
     if weights == "int4-qdq" and symmetric is False:
         raise BadUsage("--weights int4-qdq is symmetric (TensorRT takes INT4 with a zero point of 0 only)")

@@ -40,6 +40,9 @@ REFUSALS = [
     (["--no-fidelity", "--min-agreement", "0.9"], "--no-fidelity drops the fidelity check"),
     (["--no-validate", "--max-ppl-increase", "0.1"], "checked by the validate stage; drop --no-validate"),
     (["--kv-dtype", "int4"], r"--kv-dtype 'int4' unknown; accepted: fp32, fp16, bf16, int8, fp8"),
+    (["--weights", "int3"], r"--weights 'int3' unknown; accepted: fp32, fp16, int4, int4-a8, int4-qdq"),
+    (["--weights", "int4-a8", "--target", "tensorrt"], "--weights int4-a8 is onnxruntime's MatMulNBits"),
+    (["--weights", "int4-a8", "--fp16"], "rewrites an fp32 export's weights"),
 ]
 
 

@@ -71,9 +71,9 @@ def _err(args, capsys) -> tuple[int, list[str]]:
 
 
 @pytest.mark.parametrize("args,says", [
-    (["export", "--weights", "int3"], "--weights 'int3' unknown; accepted: fp32, fp16, int4, int4-qdq"),
+    (["export", "--weights", "int3"], "--weights 'int3' unknown; accepted: fp32, fp16, int4, int4-a8, int4-qdq"),
     (["export", "--weights", "int4", "--dtype", "fp16"], "rewrites an fp32 export's weights"),
-    (["convert", "--weights", "q4_1"], "--weights 'q4_1' unknown; accepted: fp32, fp16, int4, int4-qdq"),
+    (["convert", "--weights", "q4_1"], "--weights 'q4_1' unknown; accepted: fp32, fp16, int4, int4-a8, int4-qdq"),
     (["convert", "--weights", "int4", "--fp16"], "rewrites an fp32 export's weights"),
     (["convert", "--weights", "int4", "--target", "tensorrt"], "use --weights int4-qdq"),
 ])

@@ -43,7 +43,8 @@ def student(tmp_path_factory):
     out = {"fp32": base}
     for name, kw in {"int4": dict(weights="int4"), "int4-acc4": dict(weights="int4", accuracy_level=4),
                      "int4-sym": dict(weights="int4", symmetric=True, accuracy_level=0),
-                     "int4-qdq": dict(weights="int4-qdq"), "fp16": dict(weights="fp16")}.items():
+                     "int4-qdq": dict(weights="int4-qdq"), "fp16": dict(weights="fp16"),
+                     "int4-a8": dict(weights="int4-a8")}.items():
         quantize_export(base, out=root / name, **kw)
         out[name] = root / name
     return out
@@ -232,6 +233,21 @@ def test_tiny_qwen2_with_biases_and_untied_head(tiny_models, tmp_path):
     scale = np.abs(ref).max()
     assert np.abs(got - ref).max() <= 1e-5 * scale
     assert np.array_equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_int4_a8_is_int4_at_accuracy_level_4(student):
+    """``--weights int4-a8`` (the name convert and export take) writes what the library's
+    ``quantize_export(..., "int4", accuracy_level=4)`` writes: the same graphs, weights file and manifest entry."""
+    a, b = student["int4-a8"], student["int4-acc4"]
+    ea = json.loads((a / "manifest.json").read_text())["settings"]["weights"]
+    eb = json.loads((b / "manifest.json").read_text())["settings"]["weights"]
+    assert ea == eb and ea["format"] == "int4" and ea["accuracy_level"] == 4
+    assert (a / "weights.data").read_bytes() == (b / "weights.data").read_bytes()
+    for f in sorted(b.glob("*.onnx")):
+        m = onnx.load(str(a / f.name), load_external_data=False)
+        levels = {at.i for n in m.graph.node if n.op_type == "MatMulNBits" for at in n.attribute
+                  if at.name == "accuracy_level"}
+        assert (a / f.name).read_bytes() == f.read_bytes() and levels <= {4}
 
 
 def test_refusals(student, tmp_path):

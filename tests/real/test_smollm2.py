@@ -290,7 +290,7 @@ def test_the_benchmark_default_rows_export_what_convert_exports_by_default(conve
     assert converted_by_default.returncode == 0, converted_by_default.stderr[-3000:]
     s = json.loads((converted_by_default.out / "onnx" / "manifest.json").read_text())["settings"]
     shape = SHAPES["smollm2"]
-    for name, weights in (("kvx-default", None), ("kvx-default-int4", "int4")):
+    for name, weights in (("kvx-default", None), ("kvx-default-int4", "int4"), ("kvx-default-int4-a8", "int4-a8")):
         kw = ROWS[name].export_kwargs(shape)
         press = kw["press"]
         assert type(press) is PRESSES[s["press"]["name"]], name
