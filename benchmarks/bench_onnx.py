@@ -89,7 +89,7 @@ def worker(directory: str, context: int, steps: int, threads: int) -> None:
     from kvexport.runtime import generate, open_onnxruntime
 
     gen = open_onnxruntime(directory, threads=threads)
-    loaded = peak_rss_mb("VmRSS")  # sessions + weights + (static) cache buffers
+    loaded = peak_rss_mb("VmRSS")  # the sessions one sequence runs + weights + (static) cache buffers
     V = int(gen.settings["vocab_size"])
     ids = np.random.default_rng(0).integers(3, V, (gen.batch, context))
     res = generate(gen, ids, None, steps + 1)

@@ -65,10 +65,12 @@ PREFILL_GRAPHS = ("prefill", "prefill_last", "compact_prefill", "compact_prefill
 
 def run_kvx(spec: dict):
     from kvexport.runtime import generate, open_onnxruntime
+    from kvexport.runtime.sessions import LazySessions
 
     gen = open_onnxruntime(spec["export_dir"], providers=["CPUExecutionProvider"], threads=int(spec.get("threads") or 1))
     log: list = []
-    gen.graphs.sessions = {n: _TimedSession(s, n, log) for n, s in gen.graphs.sessions.items()}  # stamps each call
+    made = gen.graphs.sessions  # stamps each call; a session is still made when its graph first runs
+    gen.graphs.sessions = LazySessions(lambda n: _TimedSession(made[n], n, log), made)
     generate(gen, prompt_ids(16, spec["vocab"]), max_new_tokens=3)  # warm-up
     n_new = spec["steps"] + 1
 

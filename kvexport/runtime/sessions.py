@@ -11,6 +11,7 @@ weights file's pages (:meth:`OrtSessions._share_initializers`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,38 @@ def import_onnxruntime():
     return ort
 
 
+class LazySessions(Mapping):
+    """An export's onnxruntime sessions by graph name: those named in ``now`` made at once, every other one the
+    first time it is asked for.
+
+    Every graph of the export is a key (``in``, ``len`` and iteration see them all); a deferred session and what it
+    would hold (its arenas, a packed copy of the weights for a decode graph, an int4 export's packed blocks) exists
+    only once that graph runs, so a runtime that never runs a graph (``decode_batch`` when one sequence is
+    generated) never holds its memory. ``made()``: the graphs whose sessions exist."""
+
+    def __init__(self, make, names, now=()):
+        self._make, self._names, self._made = make, list(names), {}
+        for name in now:
+            self[name]
+
+    def __getitem__(self, name):
+        sess = self._made.get(name)
+        if sess is None:
+            if name not in self._names:
+                raise KeyError(name)
+            sess = self._made[name] = self._make(name)
+        return sess
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self):
+        return len(self._names)
+
+    def made(self) -> list[str]:
+        return list(self._made)
+
+
 #: the graphs a decode step runs (one token per sequence): where a packed copy of the weights pays for itself
 HOT_GRAPHS = frozenset({"decode", "decode_inplace", "decode_batch"})
 
@@ -45,7 +78,10 @@ class OrtSessions:
     (CPU, shared weights): the decode graphs (:data:`HOT_GRAPHS`) keep onnxruntime's weight prepacking, so their
     sessions hold a packed copy of the weights they use (anonymous memory, about the float weights' bytes again) and
     decode from it, 1.3x faster per step on SmolLM2; every other graph reads the one mapped copy. False: one copy,
-    prepacking off everywhere (int4 weights are packed per session in either case)."""
+    prepacking off everywhere (int4 weights are packed per session in either case). ``sessions``
+    (:class:`LazySessions`): the batched step's session (and decode.onnx's where the in-place graph decodes) is made
+    when it first runs, so one sequence generated from an export with a ``decode_batch`` graph never holds that
+    graph's packed weights."""
 
     backend = "onnxruntime"
 
@@ -83,8 +119,12 @@ class OrtSessions:
         self._maps: dict = {}  # weights file -> its read-only np.memmap; alive as long as the sessions
         if share_weights and self.device == "cpu" and files:  # one graph too: file pages, not a copy
             opts = self._share_initializers(files)
-        self.sessions = {name: ort.InferenceSession(str(self.path / g["file"]), opts[name], providers=providers)
-                         for name, g in files.items()}
+        # made now: what one sequence runs (its first prompt is not slowed by a session's creation); deferred to
+        # their first call: the batched step, and decode.onnx where the in-place graph decodes
+        later = {"decode_batch"} | ({"decode"} if self.inplace else set())
+        self.sessions = LazySessions(
+            lambda name: ort.InferenceSession(str(self.path / files[name]["file"]), opts[name], providers=providers),
+            files, now=[n for n in files if n not in later])
         self._ovs: dict = {}  # id(buffer) -> (buffer, its OrtValue): made once per buffer this runtime owns
         self._persistent: dict = {}  # graph -> (IO binding, host input arrays): bound once
 
@@ -243,4 +283,4 @@ class OrtSessions:
         return got
 
 
-__all__ = ["OrtSessions", "import_onnxruntime", "NP_OF_TORCH"]
+__all__ = ["LazySessions", "OrtSessions", "import_onnxruntime", "NP_OF_TORCH"]

@@ -26,20 +26,25 @@ before = status()
 g = open_onnxruntime(sys.argv[1], threads=1, prepack_decode=sys.argv[2:] == ["1"])  # default here: one copy
 g.generate(np.array([[1, 2, 3, 4]]), max_new_tokens=2)  # the sessions have run: nothing was copied lazily either
 after = status()
-print(json.dumps({"before": before, "after": after, "sessions": sorted(g.sessions)}))
+made = g.sessions.made()
+if "decode_batch" in g.sessions:
+    g.sessions["decode_batch"]  # the batched step's session, made as a server's first batched step makes it
+print(json.dumps({"before": before, "after": after, "sessions": sorted(g.sessions), "made": made,
+                  "batched": status()}))
 """
 
 
 @pytest.fixture(scope="module")
 def export_dir(tmp_path_factory):
-    """A 2-layer Llama of ~17M parameters (68 MB fp32), exported for the CPU."""
+    """A 2-layer Llama of ~17M parameters (68 MB fp32), exported for the CPU with a 4-row decode_batch graph (as
+    convert exports by default)."""
     from kvexport.export import export_model
     from kvexport.models.decoder import Decoder
     from kvexport.models.tiny import tiny_model
 
     dec = Decoder.from_hf(tiny_model("llama", vocab_size=8192, hidden_size=512, intermediate_size=2048, heads=8,
                                      kv_heads=2))
-    return export_model(dec, tmp_path_factory.mktemp("mapped") / "x", chunk=8, max_positions=64)
+    return export_model(dec, tmp_path_factory.mktemp("mapped") / "x", chunk=8, max_positions=64, decode_batch=4)
 
 
 def test_shared_initializers_are_views_of_one_readonly_map(export_dir):
@@ -58,8 +63,7 @@ def test_shared_initializers_are_views_of_one_readonly_map(export_dir):
     assert not g.graphs._maps and not g.graphs._shared and not g.sessions
 
 
-def _grown(export_dir, prepack: bool) -> tuple[float, float]:
-    """(anonymous, file-backed) memory grown by opening and running the generator, as fractions of weights.data."""
+def _probe(export_dir, prepack: bool) -> dict:
     from kvexport.export import onnx_graph as ex
 
     weights = (export_dir / ex.WEIGHTS_FILE).stat().st_size
@@ -68,8 +72,15 @@ def _grown(export_dir, prepack: bool) -> tuple[float, float]:
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     m = json.loads(r.stdout.strip().splitlines()[-1])
-    return ((m["after"]["RssAnon"] - m["before"]["RssAnon"]) / weights,
-            (m["after"]["RssFile"] - m["before"]["RssFile"]) / weights)
+    m["weights"] = weights
+    return m
+
+
+def _grown(export_dir, prepack: bool) -> tuple[float, float]:
+    """(anonymous, file-backed) memory grown by opening and running the generator, as fractions of weights.data."""
+    m = _probe(export_dir, prepack)
+    return ((m["after"]["RssAnon"] - m["before"]["RssAnon"]) / m["weights"],
+            (m["after"]["RssFile"] - m["before"]["RssFile"]) / m["weights"])
 
 
 def test_sessions_hold_the_weights_as_file_pages(export_dir):
@@ -89,6 +100,15 @@ def test_decode_holds_one_packed_copy(export_dir):
     base, _ = _grown(export_dir, prepack=False)
     assert 0.7 < anon - base < 1.3, (anon, base)
     assert file_pages > 0.5, file_pages
+
+
+def test_the_batched_step_packs_only_when_it_runs(export_dir):
+    """One sequence never runs decode_batch, so its session (which would pack a second copy of the weights) is not
+    made; the first batched step makes it, and with it that copy (a server that batches holds two)."""
+    m = _probe(export_dir, prepack=True)
+    assert "decode_batch" in m["sessions"] and "decode_batch" not in m["made"] and "decode" in m["made"], m
+    second = (m["batched"]["RssAnon"] - m["after"]["RssAnon"]) / m["weights"]
+    assert 0.7 < second < 1.3, second
 
 
 @pytest.fixture(scope="module")
