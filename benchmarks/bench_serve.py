@@ -220,6 +220,18 @@ async def bench(args, server: Server) -> dict:
     }
 
 
+def workload_ceiling(res: dict, streams: int, tokens: int) -> dict | None:
+    """The most N streams can gain over one on this workload when every prompt's prefill is compute (as on a CPU:
+    N prompts cost N times one, batched or not) and every step of N rows costs one batched call: one stream spends
+    ``P + T * t1`` per request (P: its median time to first token, T new tokens, t1 a batch-1 step), N streams at
+    best ``N * P + T * t_N`` for N requests -> ``N * (P + T * t1) / (N * P + T * t_N)``."""
+    g, a = res.get("graph_ceiling"), res["one_stream"]
+    if not g or g["rows"] < streams or a["ttft_s_median"] is None:
+        return None
+    P, t1, tn = a["ttft_s_median"], g["decode_ms"] / 1e3, g["decode_batch_ms"] / 1e3
+    return {"prefill_s": P, "ratio": streams * (P + tokens * t1) / (streams * P + tokens * tn)}
+
+
 def _median(xs: list) -> float | None:
     xs = sorted(x for x in xs if x is not None)
     return xs[len(xs) // 2] if xs else None
@@ -258,6 +270,8 @@ def markdown(res: dict) -> str:
         f"({s['samples'][0]['cache_bytes'] / 2**20:.2f} MiB) | +-5 %: {verdict(s['cache_spread'] <= 0.05)} |",
         *([f"| graph ceiling (timed at start) | {g['rows']} rows in one decode_batch call {g['decode_batch_ms']:.2f} ms, "
            f"one row {g['decode_ms']:.2f} ms: {g['ratio']:.2f}x | |"] if (g := res.get("graph_ceiling")) else []),
+        *([f"| workload ceiling (prefill is compute: N prompts cost N x one) | {w['ratio']:.2f}x (one prompt's "
+           f"prefill {w['prefill_s'] * 1e3:.0f} ms) | |"] if (w := res.get("workload_ceiling")) else []),
         "", f"prompt {cfg['prompt']} tokens, {cfg['tokens']} new tokens per request, {cfg['threads']} onnxruntime "
         f"thread(s); {res['machine']['cpu']}, {res['machine']['cores']} cores, load average "
         f"{res['machine']['loadavg_start'][0]:.2f} at the start, {res['machine']['loadavg'][0]:.2f} at the end",
@@ -308,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     if m:  # the most batching can give at the graph level: N rows in one call vs N calls of one row
         tb, n, t1 = float(m.group(1)), int(m.group(2)), float(m.group(3))
         res["graph_ceiling"] = {"decode_batch_ms": tb, "rows": n, "decode_ms": t1, "ratio": n * t1 / tb}
+        res["workload_ceiling"] = workload_ceiling(res, args.streams, args.tokens)
     res["config"] = {"export": str(export), "streams": args.streams, "slots": args.slots, "tokens": args.tokens,
                      "prompt": args.prompt, "threads": args.threads, "decode": args.decode, "backend": args.backend,
                      "server": server.banner, "server_exit": rc}

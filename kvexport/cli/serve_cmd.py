@@ -30,6 +30,9 @@ def serve_cmd(
     decode: str = typer.Option("auto", help="With a decode_batch graph: auto (batched from the number of "
                                "sequences where it is faster, timed at start), batched, or rows (one call per "
                                "sequence). With --backend pytorch: rows, else one batched forward."),
+    prepack: bool = typer.Option(True, "--prepack/--no-prepack", help="onnxruntime: each decode session ("
+                                 "decode, decode_batch) keeps a packed copy of the weights, about their bytes each, "
+                                 "for faster steps (1.3x on SmolLM2). --no-prepack: one memory-mapped copy for all."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id of the API (default: the "
                                              "directory's name)."),
     drain_timeout: float = typer.Option(30.0, "--drain-timeout", help="On SIGTERM/SIGINT, seconds the requests in "
@@ -71,4 +74,5 @@ def serve_cmd(
                     max_prompt_chars=max_prompt_chars, max_tokens=max_tokens, max_queue=max_queue,
                     max_queued_tokens=max_queued_tokens, max_requests=max_requests)
     return serve(directory, host=host, port=port, backend=backend, max_sequences=max_sequences, threads=threads,
-                 name=model_name, drain_timeout=drain_timeout, decode=decode, limits=limits)
+                 name=model_name, drain_timeout=drain_timeout, decode=decode, limits=limits,
+                 prepack=prepack)

@@ -68,11 +68,15 @@ def resolve_export(directory: str | Path, backend: str = "onnxruntime") -> tuple
 
 
 def open_backend(export_dir: Path, backend: str, max_sequences: int | None, threads: int | None = None,
-                 engines: Path | None = None, decode: str = "auto") -> SlotBackend:
+                 engines: Path | None = None, decode: str = "auto", prepack: bool = True) -> SlotBackend:
+    if not prepack and backend != "onnxruntime":
+        raise BadUsage(f"--no-prepack applies to --backend onnxruntime (its decode sessions' packed weights), "
+                       f"not to {backend}")
     if backend in ("onnxruntime", "tensorrt"):
         from kvexport.serve.backends.graphs import GraphSlots
 
-        return GraphSlots(export_dir, backend, max_sequences, threads, engines, decode)
+        kw = {"prepack_decode": False} if not prepack else None
+        return GraphSlots(export_dir, backend, max_sequences, threads, engines, decode, runtime_kw=kw)
     if backend == "pytorch":
         from kvexport.serve.backends.torch_slots import TorchSlots
 
@@ -81,8 +85,11 @@ def open_backend(export_dir: Path, backend: str, max_sequences: int | None, thre
 
 
 def open_model(directory: str | Path, backend: str = "onnxruntime", max_sequences: int | None = None,
-               threads: int | None = None, name: str | None = None, decode: str = "auto") -> ServedModel:
-    """Open ``directory`` for serving on ``backend`` with ``max_sequences`` slots (see the module docstring)."""
+               threads: int | None = None, name: str | None = None, decode: str = "auto",
+               prepack: bool = True) -> ServedModel:
+    """Open ``directory`` for serving on ``backend`` with ``max_sequences`` slots (see the module docstring).
+    ``prepack`` (onnxruntime): the decode sessions keep a packed copy of the weights each (faster steps); False:
+    every session reads the one memory-mapped copy (kvexport.runtime.sessions.OrtSessions)."""
     from kvexport.models.loading import load_tokenizer
 
     if backend not in BACKENDS:
@@ -92,7 +99,7 @@ def open_model(directory: str | Path, backend: str = "onnxruntime", max_sequence
     if max_sequences is not None and int(max_sequences) < 1:
         raise BadUsage(f"--max-sequences {max_sequences} must be >= 1")
     export_dir, engines = resolve_export(directory, backend)
-    slots = open_backend(export_dir, backend, max_sequences, threads, engines, decode)
+    slots = open_backend(export_dir, backend, max_sequences, threads, engines, decode, prepack)
     s = slots.settings
     tok = load_tokenizer(export_dir / s["tokenizer"]) if s.get("tokenizer") else None
     if tok is None:

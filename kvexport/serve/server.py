@@ -81,13 +81,13 @@ def make_app(model: ServedModel, limits: Limits | None = None, track_kept: bool 
 
 def serve(directory: str | Path, host: str = "127.0.0.1", port: int = 8000, backend: str = "onnxruntime",
           max_sequences: int | None = None, threads: int | None = None, name: str | None = None,
-          drain_timeout: float = 30.0, decode: str = "auto", limits: Limits | None = None) -> int:
+          drain_timeout: float = 30.0, decode: str = "auto", limits: Limits | None = None, prepack: bool = True) -> int:
     """Serve ``directory`` until SIGTERM/SIGINT (see the module docstring); returns the exit status, 0."""
     import asyncio
 
     if drain_timeout < 0:
         raise BadUsage(f"--drain-timeout {drain_timeout} must be >= 0")
-    model = open_model(directory, backend, max_sequences, threads, name, decode)
+    model = open_model(directory, backend, max_sequences, threads, name, decode, prepack)
     app, engine = make_app(model, limits)
     sock = bind(host, port)
     bound = sock.getsockname()[1]

@@ -52,7 +52,8 @@ def test_tensorrt_is_refused_before_the_port_is_bound(export_dir):
     (["--max-sequences", "9"], 2, r"exceeds the export's decode batch \(4\)"),
     (["--drain-timeout", "-1"], 2, "--drain-timeout -1"),
     (["--decode", "fast"], 2, "--decode 'fast' is not one of: auto, batched, rows"),
-], ids=["port", "backend", "zero-sequences", "too-many-sequences", "drain", "decode"])
+    (["--backend", "pytorch", "--no-prepack"], 2, "--no-prepack applies to --backend onnxruntime"),
+], ids=["port", "backend", "zero-sequences", "too-many-sequences", "drain", "decode", "prepack"])
 def test_bad_cli_input_is_one_line(export_dir, args, code, match):
     one_line_error(kvexport("serve", str(export_dir), *args), code, match)
 
@@ -178,7 +179,8 @@ def test_served_greedy_equals_kvexport_generate(export_dir, tokenizer):
 
 def test_a_conversion_serves_its_onnx_export(mla_export_dir, tokenizer, tmp_path):
     """What the README's `kvexport serve out/kvx-student` serves: a conversion directory (its outputs verified,
-    then DIR/onnx, an MLA export) answers as `kvexport generate DIR` does."""
+    then DIR/onnx, an MLA export) answers as `kvexport generate DIR` does; served with --no-prepack (every
+    session reads the one mapped copy of the weights) against generate's packed decode weights."""
     import shutil
 
     from kvexport import layout
@@ -188,7 +190,7 @@ def test_a_conversion_serves_its_onnx_export(mla_export_dir, tokenizer, tmp_path
     (conv / layout.CONVERT_JSON).write_text("{}\n")
     layout.record_outputs(conv)
     want = generate_text(conv, GENERATE_PROMPTS[0], 16)
-    srv = Served(conv)
+    srv = Served(conv, "--no-prepack")
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         r = client.completions.create(model="m", prompt=GENERATE_PROMPTS[0], max_tokens=16, temperature=0,
