@@ -33,26 +33,32 @@ def _numpy_attention(q, k, v, pos_k, q_pos, scaling):
     return out
 
 
-def _case(fmt_name, S=700, T=1, Hq=6, Hc=2, D=64, seed=0):
+def _case(fmt_name, S=700, T=1, Hq=6, Hc=2, D=64, seed=0, B=1):
+    """B rows; with B > 1 each row has its own fill (rows of a server's bank: the later ones shorter, their tail
+    slots empty) and its own position."""
     g = torch.Generator().manual_seed(seed)
     fmt = kv_format(fmt_name)
-    k_f, v_f = torch.randn(1, Hc, S, D, generator=g) * 2, torch.randn(1, Hc, S, D, generator=g)
+    k_f, v_f = torch.randn(B, Hc, S, D, generator=g) * 2, torch.randn(B, Hc, S, D, generator=g)
     (kc, ks), (vc, vs) = quantize(k_f, fmt), quantize(v_f, fmt)
-    pos = torch.arange(S).expand(1, Hc, S).clone()
-    pos[:, :, -7:] = -1  # empty slots
-    q = torch.randn(1, Hq, T, D, generator=g)
-    k_new, v_new = torch.randn(1, Hc, T, D, generator=g), torch.randn(1, Hc, T, D, generator=g)
-    q_pos = torch.arange(S, S + T)[None]
-    pos_new = q_pos[:, None, :].expand(1, Hc, T)
+    pos = torch.arange(S).expand(B, Hc, S).clone()
+    fills = [S - 7 - 150 * b for b in range(B)]
+    for b, f in enumerate(fills):
+        pos[b, :, f:] = -1  # empty slots
+    q = torch.randn(B, Hq, T, D, generator=g)
+    k_new, v_new = torch.randn(B, Hc, T, D, generator=g), torch.randn(B, Hc, T, D, generator=g)
+    q_pos = torch.stack([torch.arange(f, f + T) for f in fills])
+    pos_new = q_pos[:, None, :].expand(B, Hc, T)
     return fmt, q, (kc, ks), (vc, vs), pos, k_new, v_new, pos_new, q_pos
 
 
 @pytest.mark.parametrize("fmt_name", ["int8", "fp8"])
-def test_decode_reads_codes_and_matches_the_dequantized_softmax(fmt_name):
-    fmt, q, (kc, ks), (vc, vs), pos, k_new, v_new, pos_new, q_pos = _case(fmt_name)
+@pytest.mark.parametrize("Hq, Hc, D, B", [(6, 2, 64, 1), (8, 1, 64, 1), (4, 4, 128, 1), (9, 3, 64, 3)],
+                         ids=["gqa", "mqa", "mha-d128", "batch3"])
+def test_decode_reads_codes_and_matches_the_dequantized_softmax(fmt_name, Hq, Hc, D, B):
+    fmt, q, (kc, ks), (vc, vs), pos, k_new, v_new, pos_new, q_pos = _case(fmt_name, Hq=Hq, Hc=Hc, D=D, B=B)
     kq, vq = QuantizedRows(kc, ks, fmt), QuantizedRows(vc, vs, fmt)
     assert reads_codes(q, kq, vq, k_new)
-    scaling = 64**-0.5
+    scaling = D**-0.5
     with torch.no_grad():
         got = attention(q, kq, vq, pos, k_new, v_new, pos_new, q_pos, scaling)
     k_all = torch.cat([dequantize(kc, ks, fmt, torch.float32), k_new], 2)
