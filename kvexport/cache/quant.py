@@ -89,12 +89,20 @@ def quantize(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor
     return code.to(torch.uint8), scale
 
 
+def shifted(codes: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, float]:
+    """codes (..., D) uint8 -> (x float32, shift) with ``x - shift`` the values before their row's scale: int8's codes
+    as they are and their offset 128 (a product with them can take the offset off its result, once per row of the
+    result instead of once per code: ``q . (c - 128) = q . c - 128 sum(q)``), fp8's e4m3 values and 0."""
+    if fmt.name == "int8":
+        return codes.float(), 128.0
+    return FP8_VALUES.to(codes.device)[codes.float().long()], 0.0  # via float: TensorRT casts UINT8 to f32 / f16 only
+
+
 def unscaled(codes: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     """codes (..., D) uint8 -> the values before their row's scale, float32 (exact: integers -127..127 for int8, the
     e4m3 values for fp8)."""
-    if fmt.name == "int8":
-        return codes.float() - 128.0
-    return FP8_VALUES.to(codes.device)[codes.float().long()]  # via float: TensorRT casts UINT8 to f32 / f16 only
+    x, shift = shifted(codes, fmt)
+    return x - shift if shift else x
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, fmt: KVFormat, dtype: torch.dtype) -> torch.Tensor:
@@ -162,6 +170,10 @@ class QuantizedRows:
         """The values before the rows' scales, float32 (B, Hc, S, D): ``dequantize`` is this times ``scale``."""
         return unscaled(self.codes, self.fmt)
 
+    def shifted(self) -> tuple[torch.Tensor, float]:
+        """(x float32 (B, Hc, S, D), shift): ``x - shift`` is :meth:`unscaled` (:func:`shifted`)."""
+        return shifted(self.codes, self.fmt)
 
-__all__ = ["SCALE_MIN", "SCALE_MAX", "FP8_VALUES", "storage_dtype", "row_scale", "quantize", "unscaled", "dequantize",
+
+__all__ = ["SCALE_MIN", "SCALE_MAX", "FP8_VALUES", "storage_dtype", "row_scale", "quantize", "shifted", "unscaled", "dequantize",
            "encode", "decode", "read_rows", "QuantizedRows"]

@@ -207,7 +207,11 @@ def attention_over_parts(q, parts, q_pos, scaling: float, sliding_window: int | 
     logits = []
     for k, _, k_pos in parts:
         if isinstance(k, QuantizedRows):  # codes: q . (c s) = (q . c) s, one product per slot and query (float32)
-            lg = torch.matmul(qg, k.unscaled().transpose(-1, -2)).reshape(B, Hc, G, T, k.shape[2])
+            kx, shift = k.shifted()  # int8: q . (c - 128) = q . c - 128 sum(q), per query, not per code
+            lg = torch.matmul(qg, kx.transpose(-1, -2))
+            if shift:
+                lg = lg - shift * qg.sum(-1, keepdim=True)
+            lg = lg.reshape(B, Hc, G, T, k.shape[2])
             per_slot = (k.scale.float() * scaling)[:, :, None, None, :]
             lg = lg.mul_(per_slot) if inplace else lg * per_slot
         else:
@@ -223,7 +227,11 @@ def attention_over_parts(q, parts, q_pos, scaling: float, sliding_window: int | 
         # masked entries: exp(min - m) = 0, unless nothing is visible (then 1)
         e = lg.sub_(m).exp_() if inplace else torch.exp(lg - m)
         if isinstance(v, QuantizedRows):  # sum_j e_j (c_j s_j) = sum_j (e_j s_j) c_j
-            n = torch.matmul((e * v.scale.float()[:, :, None, None, :]).reshape(B, Hc, G * T, -1), v.unscaled())
+            w = (e * v.scale.float()[:, :, None, None, :]).reshape(B, Hc, G * T, -1)
+            vx, shift = v.shifted()  # int8: sum_j w_j (c_j - 128) = sum_j w_j c_j - 128 sum_j w_j
+            n = torch.matmul(w, vx)
+            if shift:
+                n = n - shift * w.sum(-1, keepdim=True)
         else:
             n = torch.matmul(e.to(v.dtype).reshape(B, Hc, G * T, -1), v).float()
         d = e.sum(-1).reshape(B, Hc, G * T, 1)

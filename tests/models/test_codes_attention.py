@@ -64,7 +64,9 @@ def test_decode_reads_codes_and_matches_the_dequantized_softmax(fmt_name, Hq, Hc
     k_all = torch.cat([dequantize(kc, ks, fmt, torch.float32), k_new], 2)
     v_all = torch.cat([dequantize(vc, vs, fmt, torch.float32), v_new], 2)
     want = _numpy_attention(q, k_all, v_all, torch.cat([pos, pos_new], 2).numpy(), q_pos.numpy(), scaling)
-    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=2e-6)
+    # int8 takes its offset off after the products (q . c - 128 sum(q)): float32 cancellation, measured 3.9e-6 on
+    # outputs of magnitude ~0.3 (the codes' own rounding is 1/254 of a row's largest value)
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-5)
 
 
 def test_prefill_and_fp16_dequantize_first():
