@@ -64,6 +64,9 @@ def tier_settings(tier: str) -> tuple[list[Setting], SweepSpec]:
     if tier == "int8":
         out = [Setting(kv_dtype="int8")]
         out += [Setting("snapkv", b, kv_dtype="int8", press_kw=NEIGHBORS, generate_kw=LOOKAHEAD) for b in (1024, 2048)]
+        # int8 under MLA: the latent cache's codes, alone and under the default press
+        out += [Setting(mla=1.5, kv_dtype="int8"),
+                Setting("snapkv", 2048, mla=1.5, kv_dtype="int8", press_kw=NEIGHBORS, generate_kw=LOOKAHEAD)]
         return out, core_spec
     if tier == "long":
         spec = SweepSpec(windows=1, context=8192, probe_lengths=(8192,), probe_kinds=("passkey",))
