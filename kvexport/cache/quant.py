@@ -166,12 +166,8 @@ class QuantizedRows:
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(self.codes, self.scale, self.fmt, dtype)
 
-    def unscaled(self) -> torch.Tensor:
-        """The values before the rows' scales, float32 (B, Hc, S, D): ``dequantize`` is this times ``scale``."""
-        return unscaled(self.codes, self.fmt)
-
     def shifted(self) -> tuple[torch.Tensor, float]:
-        """(x float32 (B, Hc, S, D), shift): ``x - shift`` is :meth:`unscaled` (:func:`shifted`)."""
+        """(x float32 (B, Hc, S, D), shift): ``(x - shift) * scale`` is :meth:`dequantize` (:func:`shifted`)."""
         return shifted(self.codes, self.fmt)
 
 
