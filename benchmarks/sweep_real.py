@@ -8,8 +8,8 @@ combinations and int8 caches, each measured against the original (:mod:`kvexport
     python -m benchmarks.sweep_real --plot --out docs/sweep               # summary.json, sweep.md, plots
 
 Tiers (each its own JSON-lines file, ``sweep_<tier>.jsonl``):
-    core    every press at budgets 1024 / 2048, the main ones at 256 / 512, chunk 512 (convert's export), kvpress's
-            scoring and kvexport's lookahead / neighbours; text at 4k, passkey at 1.5k and 4k
+    core    every press at budgets 256 / 512 / 1024 / 2048, chunk 512 (convert's export), kvpress's scoring and
+            kvexport's lookahead / neighbours; text at 4k, passkey at 1.5k and 4k
     single  the prompt in one piece, budgets 512 / 1024 (probes up to 4k)
     mla     MLA rewrites with a full cache, and with the best press
     int8    int8 caches, alone and under the best presses
@@ -52,7 +52,12 @@ def tier_settings(tier: str) -> tuple[list[Setting], SweepSpec]:
         out += [Setting("snapkv", b, generate_kw=LOOKAHEAD) for b in (1024, 512)]
         out += [Setting("knorm", b, press_kw=NEIGHBORS) for b in (1024, 512)]
         out += [Setting(p, b) for b in (2048, 512, 256) for p in ("tova", "keydiff", "pyramidkv", "observed_attention",
-                                                                   "random") if not (b == 2048 and p == "random")]
+                                                                   "random")]
+        # the variants' remaining budgets, so that every row of the table has all four
+        out += [Setting("snapkv", b, generate_kw=LOOKAHEAD) for b in (256, 2048)]
+        out += [Setting("tova", b, **la) for b in (256, 2048)]
+        out += [Setting("expected_attention", 256, **la)]
+        out += [Setting("knorm", b, press_kw=NEIGHBORS) for b in (256, 2048)]
         return out, core_spec
     if tier == "single":
         return [Setting(p, 1024, chunk=None) for p in ("snapkv", "expected_attention", "knorm", "streaming_llm")] + [

@@ -245,17 +245,33 @@ class GraphHost(Driver):
             cache[f"pos_{i}"][:, :, b:] = -1
 
     def _apply_decode(self, rows: Rows, step, new: dict, pos: np.ndarray, written: bool = False) -> bool:
-        """What the plan's DecodeStep ``step`` asks once the decode graph has run: the token's ``new`` rows into
-        their slots (unless ``written``: the in-place graph wrote them, and their positions, already), its query
-        into the ring (a press), then the compaction if due (the ``compact`` graph, kept rows into slots
-        [0, budget)); ``pos`` (B, 1) the token's positions. -> whether it compacted."""
-        for i, slot in enumerate(step.slots if not written else ()):
-            self._write_rows(rows, new, i, slot, pos)
+        """What the plan's DecodeStep ``step`` asks once the decode graph has run (every row of ``rows`` the same
+        step): :meth:`_store_decoded`, then :meth:`_compact_if_due`; ``pos`` (B, 1) the token's positions."""
+        self._store_decoded(rows.cache, new, slice(None), step.slots, step.query_slot, pos[:, 0], written)
+        return self._compact_if_due(rows, step)
+
+    def _store_decoded(self, cache: dict, new: dict, rsel, slots, query, pos, written: bool = False) -> None:
+        """Rule 4's writes after a decode graph, for the rows ``rsel`` of ``cache`` and ``new`` (``slice(None)``:
+        all of them, or an index array): layer i's new row (``k_new_i``, ``v_new_i`` (B, Hc, 1, .) and a quantized
+        cache's scales) into slot ``slots[i]`` and its position beside it (unless ``written``: the in-place graph
+        wrote both), and with a press the token's query into ring slot ``query``. ``slots[i]`` and ``query`` are an
+        int (every row the same) or an index array (one per row of ``rsel``: a bank's slots, each at its own fill);
+        ``pos`` (rows,) the token's positions. One assignment per buffer, whatever the number of rows."""
+        p = self.graphs.to_device(np.asarray(pos, np.int64).reshape(-1, 1))
+        if not written:
+            for i, slot in enumerate(slots):
+                for f in self.fields[i]:
+                    if f != "pos":
+                        cache[f"{f}_{i}"][rsel, :, slot] = new[f"{f}_new_{i}"][rsel, :, 0]
+                cache[f"pos_{i}"][rsel, :, slot] = p
         if self.press is not None:
-            q, cache = step.query_slot, rows.cache
             for ring, name in self._ring:
-                cache[ring][:, :, q] = new[name][:, :, 0]
-            cache["qpos"][:, q] = self.graphs.to_device(pos)[:, 0]
+                cache[ring][rsel, :, query] = new[name][rsel, :, 0]
+            cache["qpos"][rsel, query] = p[:, 0]
+
+    def _compact_if_due(self, rows: Rows, step) -> bool:
+        """The compaction the plan's DecodeStep ``step`` asks for, if it does (the ``compact`` graph, kept rows into
+        slots [0, budget)). -> whether it compacted."""
         if not step.compact:
             return False
         start = rows.state.query_start

@@ -79,11 +79,15 @@ class SlotBank(GraphHost):
         self.graphs.forget(head.values())
         logits = self.bank_out["logits"]
         logits = (logits.detach().cpu().numpy() if hasattr(logits, "detach") else np.asarray(logits))
-        out = []
-        for s, step, p in zip(slots, steps, positions, strict=True):
-            row = logits[s.index:s.index + 1].copy()
-            out.append((row, self._apply_decode(s.rows, step, s.rows.step_out, np.array([[p]], np.int64))))
-        return out
+        # the decoding rows' writes in one assignment per buffer (each row into its own slots), then each slot's
+        # compaction where its plan asks for one
+        to_dev = self.graphs.to_device
+        rsel = to_dev(np.asarray(index, np.int64))
+        per_layer = np.asarray([st.slots for st in steps], np.int64).T  # (layers, rows)
+        query = to_dev(np.asarray([st.query_slot for st in steps], np.int64))
+        self._store_decoded(self.bank, self.bank_out, rsel, [to_dev(x) for x in per_layer], query, positions)
+        return [(logits[s.index:s.index + 1].copy(), self._compact_if_due(s.rows, step))
+                for s, step in zip(slots, steps, strict=True)]
 
     def decode_timings(self, repeats: int = 7) -> dict[str, float]:
         """A bank's two ways to decode, timed on empty slots (nothing is written; they read what empty slots' steps
