@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
-      "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
+      "tensor(int32)": np.int32, "tensor(bool)": np.bool_, "tensor(uint8)": np.uint8, "tensor(int8)": np.int8}
 
 
 def feeds_for(sess, dims: dict[str, int] | None = None) -> dict[str, np.ndarray]:
