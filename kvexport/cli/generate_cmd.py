@@ -23,10 +23,13 @@ from kvexport.cli.common import (
 from kvexport.models.gguf import resolve_model
 
 DEFAULT_BUDGET = 256
+#: the options an export fixes (``kvexport generate DIR`` refuses them)
+EXPORT_FIXED = ("press", "budget", "ratio", "window", "chunk", "neighbors", "lookahead", "dtype", "kv_dtype")
 
 
 @app.command("generate")
 def generate_cmd(
+    ctx: typer.Context,
     model: Optional[str] = typer.Argument(None, help="HF model directory (config.json + safetensors + tokenizer), an "
                                           "MLA directory, an export (`kvexport export`) or a conversion (`kvexport "
                                           "convert`: runs DIR/onnx). Default: the bundled reference student."),
@@ -48,7 +51,8 @@ def generate_cmd(
     engines: Optional[Path] = typer.Option(None, help="TensorRT engine folder (default: DIR-tensorrt, written by "
                                            "`kvexport build-engine DIR`)."),
 ) -> None:
-    """Generate text greedily with a static-capacity KV cache (capacity = budget + window per layer)."""
+    """Generate text greedily with a static-capacity KV cache (capacity = budget + window per layer). An export
+    runs with the cache it was exported with: the cache options (--press … --kv-dtype) are refused for one."""
     from rich.console import Console
 
     from kvexport.errors import BadUsage
@@ -68,6 +72,13 @@ def generate_cmd(
     if model is not None and not is_mla_dir(model) and (Path(model) / "manifest.json").is_file():  # an artifact
         from kvexport.cli.export_cmds import generate_from_export, generation_dir
 
+        # an export's cache is fixed when it is exported: a flag that would change it is refused, not ignored
+        # (by the source's name: typer carries its own copy of click's ParameterSource)
+        fixed = [f"--{n.replace('_', '-')}" for n in EXPORT_FIXED
+                 if getattr(ctx.get_parameter_source(n), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")]
+        if fixed:
+            raise BadUsage(f"{', '.join(fixed)}: {model} is an export, whose press, budget, window, chunk and dtypes "
+                           "were fixed when it was exported; drop them, or convert/export again with them")
         return generate_from_export(generation_dir(Path(model)), prompts, max_new_tokens, backend=backend,
                                     engines=engines)
     if backend != "onnxruntime" or engines is not None:

@@ -187,6 +187,11 @@ CASES: list[tuple[str, Callable[[Ctx], list], int, tuple[str, ...]]] = [
      ("manifest.json", "not valid JSON")),
     ("manifest-other-version", lambda c: ["generate", c.export_copy(_version), *P], 4, ("0.0.0-other",)),
     ("export-batch-mismatch", lambda c: ["generate", c.export, *P, "-p", "two"], 2, ("--batch 1",)),
+    # an export's cache is fixed: a flag that would change it is refused, not ignored
+    ("export-press-given", lambda c: ["generate", c.export, *P, "--press", "knorm", "--budget", "4"], 2,
+     ("--press, --budget", "is an export", "fixed")),
+    ("export-window-given", lambda c: ["generate", c.export, *P, "--window", "8"], 2, ("--window:", "is an export")),
+    ("export-kv-dtype-given", lambda c: ["generate", c.export, *P, "--kv-dtype", "int8"], 2, ("--kv-dtype:",)),
     ("prompt-longer-than-export", lambda c: ["generate", c.full, "-p", "hello world " * 10, "-n", "4"], 2,
      ("exceeds the export's maximum 24",)),
     ("validate-steps-zero", lambda c: ["validate", c.export, "--steps", "0"], 2, ("--steps",)),
