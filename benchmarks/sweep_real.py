@@ -78,6 +78,9 @@ def tier_settings(tier: str) -> tuple[list[Setting], SweepSpec]:
         out = [Setting("snapkv", 2048, kv_dtype="int8", press_kw=NEIGHBORS, generate_kw=LOOKAHEAD),
                Setting("snapkv", 2048), Setting(kv_dtype="int8"),
                Setting("snapkv", 2048, press_kw=NEIGHBORS, generate_kw=LOOKAHEAD)]
+        # the runner-up of the core tier and the default's press at half its budget, at 8k
+        out += [Setting("tova", 2048, kv_dtype="int8", press_kw=NEIGHBORS, generate_kw=LOOKAHEAD),
+                Setting("snapkv", 1024, kv_dtype="int8", press_kw=NEIGHBORS, generate_kw=LOOKAHEAD)]
         return out, spec
     raise SystemExit(f"unknown tier {tier!r}; accepted: core, single, mla, int8, long, all")
 
