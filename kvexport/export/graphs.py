@@ -182,22 +182,45 @@ class _CacheGraph(nn.Module):
         named = dict(zip(("k", "v", "pos", "ks", "vs"), got, strict=False))
         return [named[f] for f in s.fields]
 
-    def encode_new(self, k_new, v_new, q_score, full_rows: bool) -> list:
-        """A step's new rows as the host writes them: stored k / v (and scales), the press's queries, and with
-        ``full_rows`` the rows before storage."""
-        k, ks = encode(k_new, self.fmt)
-        v, vs = encode(v_new, self.fmt)
-        named = {"k": k, "v": v, "ks": ks, "vs": vs, "q": q_score, "kf": k_new, "vf": v_new}
-        return [named[f] for f in new_fields(self.shapes[0].fields, q_score is not None, full_rows)]
+    def encode_rows(self, rows: list) -> list[tuple]:
+        """:func:`~kvexport.cache.quant.encode` of each layer's new rows (B, Hc_i, T, D_i) -> [(stored, scale)]. A
+        quantized format encodes the layers' rows of one width together, concatenated along the heads, and splits the
+        codes back: a row's scale is its own, so the codes equal the layer-by-layer ones bit for bit, and a step's
+        graph quantizes in one chain of nodes instead of one per layer and tensor (720 fewer nodes in SmolLM2's
+        decode step)."""
+        if not self.fmt.quantized:
+            return [encode(r, self.fmt) for r in rows]
+        out: list = [None] * len(rows)
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            groups.setdefault(int(r.shape[-1]), []).append(i)
+        for width, idx in groups.items():
+            if width == 0 or len(idx) == 1:
+                for i in idx:
+                    out[i] = encode(rows[i], self.fmt)
+                continue
+            sizes = [int(rows[i].shape[1]) for i in idx]
+            codes, scales = encode(torch.cat([rows[i] for i in idx], dim=1), self.fmt)
+            for i, c, sc in zip(idx, codes.split(sizes, dim=1), scales.split(sizes, dim=1), strict=True):
+                out[i] = (c, sc)
+        return out
 
     def step(self, input_ids, positions, cache, full_rows: bool = False):
-        """Run the tokens through every layer over the cache -> final hidden (B, T, H) and the new rows."""
+        """Run the tokens through every layer over the cache -> final hidden (B, T, H) and the new rows as the host
+        writes them (per layer: stored k / v and their scales, the press's queries, and with ``full_rows`` the rows
+        before storage)."""
         h = self.decoder.embed_tokens(input_ids)
-        new = []
+        ks, vs, qs = [], [], []
         for i, (layer, t) in enumerate(zip(self.decoder.layers, self.split_kv(cache), strict=True)):
             h, k_new, v_new, q_pre = layer(h, positions, *self.read(i, t))
-            q = layer.self_attn.score_queries(q_pre) if self.press is not None else None
-            new += self.encode_new(k_new, v_new, q, full_rows)
+            ks.append(k_new)
+            vs.append(v_new)
+            qs.append(layer.self_attn.score_queries(q_pre) if self.press is not None else None)
+        new = []
+        for k_new, v_new, q, (k, k_s), (v, v_s) in zip(ks, vs, qs, self.encode_rows(ks), self.encode_rows(vs),
+                                                       strict=True):
+            named = {"k": k, "v": v, "ks": k_s, "vs": v_s, "q": q, "kf": k_new, "vf": v_new}
+            new += [named[f] for f in new_fields(self.shapes[0].fields, q is not None, full_rows)]
         return h, new
 
     def split_new(self, new, full_rows: bool) -> list[dict]:

@@ -107,6 +107,39 @@ def test_export_equals_pytorch_quantized_cache(tiny_models, tmp_path, family, ex
     assert mine["kv"] == s["capacities"][0] * heads * width * elem
     if mla and kv_dtype in ("int8", "fp8") and ops == "custom":
         _assert_latent_codes_read_by_the_node(out, s, kv_dtype)
+    if kv_dtype in ("int8", "fp8"):  # the step's new rows quantized in one chain per tensor, not one per layer
+        import onnx
+
+        assert s["num_layers"] >= 2
+        for name in ("decode", "prefill"):
+            g = onnx.load(str(out / s["graphs"][name]["file"]), load_external_data=False).graph
+            rounds = [n for n in g.node if n.op_type == "Round"]
+            assert 1 <= len(rounds) <= 2, (name, len(rounds))
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_new_rows_encoded_together_equal_each_layer_encoded_alone(kv_dtype):
+    """The graphs encode the layers' new rows of one width together (kvexport.export.graphs._CacheGraph.encode_rows):
+    the codes and scales equal kvexport.cache.quant.encode of each layer's rows alone, bit for bit, for layers of
+    different head counts and widths (an MLA rewrite's per-layer ranks) and width 0 (an MLA cache's values)."""
+    from types import SimpleNamespace
+
+    from kvexport.cache.formats import kv_format
+    from kvexport.cache.quant import encode
+    from kvexport.export.graphs import _CacheGraph
+
+    g = torch.Generator().manual_seed(3)
+    shapes = [(2, 16), (2, 24), (3, 16), (2, 0), (2, 16), (1, 24)]  # (heads, width) per layer
+    rows = [torch.randn(2, h, 5, d, generator=g) * (i + 1) for i, (h, d) in enumerate(shapes)]
+    rows[1][0, 1, 2] = 0.0  # an all-zero row
+    fmt = kv_format(kv_dtype)
+    got = _CacheGraph.encode_rows(SimpleNamespace(fmt=fmt), rows)
+    for r, (codes, scale) in zip(rows, got, strict=True):
+        want_codes, want_scale = encode(r, fmt)
+        assert codes.shape == r.shape and torch.equal(codes, want_codes)
+        assert (scale is None) == (want_scale is None) == (r.shape[-1] == 0)
+        if scale is not None:
+            assert torch.equal(scale, want_scale)
 
 
 def _assert_latent_codes_read_by_the_node(out, settings, kv_dtype):
