@@ -49,15 +49,18 @@ class EndPadded(OrtGenerator):
 
 
 class SlotOff(OrtGenerator):
-    """Decode tokens written one slot past where the plan puts them."""
+    """Decode tokens written one slot past where the plan puts them (wrapping at a layer's capacity: a slot past it
+    is not silent, the host's write raises IndexError)."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         decode = self.state.decode
+        caps = self.plan.capacities
 
         def off():
             s = decode()
-            return DecodeStep(tuple(x + 1 for x in s.slots), s.query_slot, s.compact, s.fills_after)
+            return DecodeStep(tuple((x + 1) % c for x, c in zip(s.slots, caps, strict=True)), s.query_slot,
+                              s.compact, s.fills_after)
 
         self.state.decode = off
 
@@ -85,3 +88,19 @@ def test_end_padding_evicts_the_prompt_tail(exported):
         tails[cls.__name__] = [int((p[0] >= 16).sum()) for p in g.kept_positions()]  # positions 16..20: last chunk
     assert min(tails["OrtGenerator"]) >= 2 * 4  # SnapKV keeps its 4 observing tokens, per KV head and layer
     assert min(tails["EndPadded"]) < 2 * 4
+
+
+def test_a_decode_slot_past_the_capacity_raises(exported):
+    """The host writes a decode token's row by its slot index: a slot past a layer's capacity (a plan or host bug)
+    raises instead of writing nothing."""
+    out, _ = exported
+    gen = OrtGenerator(out)
+    decode = gen.state.decode
+
+    def past():
+        s = decode()
+        return DecodeStep(tuple(gen.plan.capacities), s.query_slot, s.compact, s.fills_after)
+
+    gen.state.decode = past
+    with pytest.raises(IndexError):
+        gen.generate(np.random.default_rng(1).integers(3, 128, (1, 9)), None, 2)
