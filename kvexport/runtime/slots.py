@@ -84,7 +84,7 @@ class SlotBank(GraphHost):
         to_dev = self.graphs.to_device
         rsel = to_dev(np.asarray(index, np.int64))
         per_layer = np.asarray([st.slots for st in steps], np.int64).T  # (layers, rows)
-        query = to_dev(np.asarray([st.query_slot for st in steps], np.int64))
+        query = to_dev(np.asarray([st.query_slot for st in steps], np.int64)) if self.press is not None else None
         self._store_decoded(self.bank, self.bank_out, rsel, [to_dev(x) for x in per_layer], query, positions)
         return [(logits[s.index:s.index + 1].copy(), self._compact_if_due(s.rows, step))
                 for s, step in zip(slots, steps, strict=True)]
