@@ -21,7 +21,9 @@ Bytes per element: the cache format's (``kv_dtype``, :mod:`kvexport.cache.format
 fp8); a quantized format adds one float16 scale per row (per token, cache head and tensor: keys and values, or
 the latent alone), ``2 * 2 * n_kv`` (GQA) or ``2`` (MLA) bytes per token and layer, counted as ``scales``.
 A static-budget cache allocates its plan's capacities (``budget + window`` slots per layer,
-:attr:`kvexport.cache.plan.CachePlan.capacities`) once and never grows (PyramidKV: a budget per layer); a full
+:attr:`kvexport.cache.plan.CachePlan.capacities`) and never holds more (PyramidKV: a budget per layer); one read in
+buckets (``read_buckets``, plan rule 7b) holds the bucket of its tokens while that is at most half the capacity,
+then the capacity (a server's bank of slots holds the capacity from the start); a full
 cache holds every token of the context (a static export without a press holds the bucket of the context, at most
 its ``capacity``: :func:`kvexport.cache.plan.bucket_slots`, the plan's rule 7).
 
@@ -30,7 +32,7 @@ positions (int64 per slot and cache head; one row per token for a growing past),
 (``window`` pre-RoPE queries per layer, ``query_heads x query_dim``, plus one int64 position row), a static
 runtime's logits buffer, and for a runtime that ping-pongs its caches (onnxruntime) a second copy of every
 cache buffer. The runtimes report what they allocated (:func:`measure` of their buffers); tests hold the two
-together. Not held, so not counted: a graph runtime reading in buckets (:mod:`kvexport.cache.plan` rule 7b) copies
+together. Not held, so not counted: a server's bank reading in buckets (:mod:`kvexport.cache.plan` rule 7b) copies
 the bucket it hands a prefill chunk or decode step, at most half its cache buffers' bytes, for that call only.
 """
 
@@ -114,6 +116,7 @@ class CacheShape:
     vocab_size: int = 0
     layer_budgets: tuple[int, ...] | None = None
     kv_dtype: str | None = None
+    read_buckets: bool = False  # an evicting cache held in the bucket of its tokens while that is <= capacity / 2
 
     @property
     def kv_format(self):
@@ -148,7 +151,11 @@ class CacheShape:
         if self.layer_budgets is not None:
             return list(capacities(self.layer_budgets, self.window))
         if self.budget is not None:
-            return list(capacities([self.budget] * self.num_layers, self.window))
+            caps = list(capacities([self.budget] * self.num_layers, self.window))
+            if self.read_buckets:  # kvexport.cache.plan rule 7b: the bucket of the context while <= half of it
+                n = bucket_slots(context, min(caps))
+                return [n] * self.num_layers if 2 * n <= min(caps) else caps
+            return caps
         if self.capacity:  # a static full cache: the bucket of the context (kvexport.cache.plan rule 7)
             return [bucket_slots(context, self.capacity)] * self.num_layers
         return [int(context)] * self.num_layers
@@ -217,8 +224,9 @@ class CacheShape:
         return batch * tokens * (stored + queries)
 
     @classmethod
-    def from_export(cls, settings: dict[str, Any]) -> "CacheShape":
-        """The cache of an export directory (its manifest ``settings``)."""
+    def from_export(cls, settings: dict[str, Any], banked: bool = False) -> "CacheShape":
+        """The cache of an export directory (its manifest ``settings``) as one batch of sequences holds it;
+        ``banked``: as a server's bank of slots holds each (at its capacity, never in read buckets)."""
         spec = settings["spec"]
         mla = settings.get("mla")
         ranks = tuple(int(r) for r in mla["kv_ranks"]) if mla else None
@@ -231,7 +239,8 @@ class CacheShape:
                    query_heads=int(spec["num_heads"]), query_dim=None if ranks else int(spec["head_dim"]),
                    vocab_size=int(settings["vocab_size"]),
                    layer_budgets=tuple(int(b) for b in budgets) if budgets and len(set(budgets)) > 1 else None,
-                   kv_dtype=settings.get("kv_dtype"))
+                   kv_dtype=settings.get("kv_dtype"),
+                   read_buckets=bool(settings.get("read_buckets")) and bool(budgets) and not banked)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -61,7 +61,11 @@ Rules
    layer (any decoding row) has occupied before the call, when that bucket is at most half the capacity; else the
    whole capacity (a copy would save too little). The slots after it are empty (rules 3-5 keep the occupied ones
    in [0, fill)), so the call's real queries see what they would over the whole capacity, while it reads O(filled)
-   slots, not O(capacity). The buffers keep the capacity; compactions read all of it.
+   slots, not O(capacity). A host whose buffers may move (one batch of sequences) holds them in that bucket
+   (:meth:`CachePlan.slots_for`; grown as in rule 7, the filled slots copied once, to the capacity before a
+   compaction), so a call reads its buffers whole and a decode step binds them once; a server's bank of slots
+   (row views of one buffer) keeps the capacity and hands each call a copy of the bucket. Compactions read the
+   whole capacity.
 """
 
 from __future__ import annotations
@@ -201,10 +205,21 @@ class CachePlan:
     def capacities(self) -> tuple[int, ...]:
         return capacities(self.budgets, self.window)
 
+    @property
+    def held_in_buckets(self) -> bool:
+        """Whether a host whose buffers may move holds them in :meth:`slots_for` slots (rules 7 and 7b)."""
+        return self.bucketed or self.read_buckets
+
     def slots_for(self, rows: int) -> int:
-        """Rule 7. Slots per layer held for ``rows`` tokens: the bucket, or the capacity when not bucketed."""
+        """Rules 7 and 7b. Slots per layer held for ``rows`` tokens: the bucket (a bucketed full cache; an evicting
+        cache read in buckets while that bucket is at most half its capacity), else the capacity."""
         cap = min(self.capacities)
-        return bucket_slots(rows, cap) if self.bucketed else cap
+        if self.bucketed:
+            return bucket_slots(rows, cap)
+        if self.read_buckets:
+            n = bucket_slots(rows, cap)
+            return n if 2 * n <= cap else cap
+        return cap
 
     def read_slots(self, fills) -> int | None:
         """Rule 7b. Slots per layer a prefill chunk or decode step reads when the layers (rows) hold ``fills`` tokens

@@ -16,10 +16,13 @@ Buffers of one layer i (``Hc`` cache heads; names as the graphs' inputs)::
 A host holds its buffers once: memory is fixed whatever the number of steps. A full-cache export with a dynamic
 capacity axis (``dynamic_capacity``) is held in a bucket of :meth:`~kvexport.cache.plan.CachePlan.slots_for` slots
 (plan rule 7): a prompt gets the bucket of its length, a token that does not fit doubles it (the filled slots copied
-once, the graphs bound again), so a step reads O(filled) bytes, not the export's capacity. An evicting cache keeps
-its capacity, but with ``read_buckets`` a prefill chunk or a decode step is handed a copy of the bucket of its
-occupied slots when that is at most half the capacity (plan rule 7b; held for that call only, at most half the
-cache's bytes), so a prompt's first chunks and a short sequence's steps read what is filled.
+once, the graphs bound again), so a step reads O(filled) bytes, not the export's capacity. An evicting cache with
+``read_buckets`` (plan rule 7b) is held the same way while its bucket is at most half the capacity, chunk by chunk
+and step by step (grown after a call, before the host writes its rows; to the capacity before a compaction), so a
+prompt's first chunks and a short sequence's steps read what is filled from buffers bound once (a per-call copy of
+the bucket was 2.8 of SmolLM2's 38 ms per step at 512 tokens, 2026-12-07); else it holds its capacity. A bank's
+slots (row views, :mod:`kvexport.runtime.slots`) cannot move: a call is handed a copy of the bucket of the fullest
+decoding row, for that call only.
 
 Rows: the host is a step driver (:mod:`kvexport.runtime.protocol`) over the export's batch; the server's bank of
 batch-1 slots, each with its own plan state, is the same host over rows of one bank (:mod:`kvexport.runtime.slots`).
@@ -45,6 +48,10 @@ FEEDS = {"prefill": {"input_ids", "positions"}, "prefill_last": {"input_ids", "p
          "decode_batch": {"input_ids", "positions"}, "compact_prefill": {"fill", "n_pad", "positions"},
          "compact_prefill_tail": {"fill", "n_pad", "positions", "tail_positions"},
          "compact": {"fill", "query_start"}, "decode_inplace": {"input_ids", "positions", "slots"}}
+
+
+#: the kinds of cache buffer with a slot axis (axis 2), which buckets size
+SLOTTED = ("kv", "scales", "positions")
 
 
 @dataclass
@@ -75,7 +82,7 @@ class GraphHost(Driver):
         self._setup(graphs)
         s = self.settings
         self.batch = int(s["batch"])
-        cache = self._cache_buffers(self.plan.slots_for(0) if self.plan.bucketed else None)
+        cache = self._cache_buffers(self.plan.slots_for(0) if self.plan.held_in_buckets else None)
         # the in-place decode graph writes the token's k / v into the cache itself: only its query is an output
         out = {n: self._array(shape, dt) for n, (shape, dt) in self.step_shapes.items()
                if not (self.inplace and not n.startswith("q_"))}
@@ -193,27 +200,27 @@ class GraphHost(Driver):
         capacities (``self.shapes``, also the most a bucket grows to)."""
         out = {}
         for n, (shape, dt) in self.shapes.items():
-            if slots is not None and kind_of(n) in ("kv", "scales", "positions"):
+            if slots is not None and kind_of(n) in SLOTTED:
                 shape = (*shape[:2], slots, *shape[3:])
             out[n] = self._array(shape, dt, self._empty(n))
         return out
 
     def _fit(self, rows: Rows, n: int, shrink: bool = False) -> None:
-        """Plan rule 7: hold the bucket of ``n`` tokens. A larger bucket gets the filled slots copied once and the
-        graphs are bound to it again; ``shrink`` (a new prompt, nothing filled) also takes a smaller one. A no-op for
-        static caches and for buffers already larger."""
-        if not self.plan.bucketed or not rows.movable:
+        """Plan rules 7 and 7b: hold the bucket of ``n`` tokens. A larger bucket gets the filled slots copied once
+        and the graphs are bound to it again; ``shrink`` (a new prompt, nothing filled) also takes a smaller one. A
+        no-op for caches held at their capacity, for a bank's slots and for buffers already larger."""
+        if not self.plan.held_in_buckets or not rows.movable:
             return
         want, have = self.plan.slots_for(n), int(rows.cache["pos_0"].shape[2])
         if want == have or (want < have and not shrink):
             return
         fill = min(max(rows.state.fills), have, want)  # the slots written so far
-        grown = self._cache_buffers(want)
+        # the slot buffers in the new bucket, their filled slots copied; the press's query ring is kept as it is
+        grown = {n: a for n, a in self._cache_buffers(want).items() if kind_of(n) in SLOTTED}
         if fill:
             for name, arr in grown.items():
                 arr[:, :, :fill] = rows.cache[name][:, :, :fill]
-        self.graphs.forget(rows.cache.values(), unbind=True)  # the bindings wrap the old buffers
-        rows.cache.clear()
+        self.graphs.forget([rows.cache[n] for n in grown], unbind=True)  # the bindings wrap the old buffers
         rows.cache.update(grown)
 
     def _reserved(self, n: int, reserve: int | None) -> int:
@@ -274,6 +281,7 @@ class GraphHost(Driver):
         slots [0, budget)). -> whether it compacted."""
         if not step.compact:
             return False
+        self._fit(rows, min(self.plan.capacities))  # a compaction reads the capacity (a no-op once decoding there)
         start = rows.state.query_start
         fills = rows.state.compact()
         kept = self.graphs.call("compact", self._feeds("compact", fill=np.array(fills, np.int64),
@@ -295,7 +303,9 @@ class GraphHost(Driver):
             raise BadUsage(f"prompt of {n} tokens exceeds the export's maximum {limit} (max_positions)")
         self._reset(rows)
         self.plan.check_fits(N)
-        self._fit(rows, self._reserved(N, None if new_tokens is None else N + int(new_tokens) - 1), shrink=True)
+        # a full cache holds the prompt's bucket at once; an evicting one read in buckets grows chunk by chunk
+        hold = self._reserved(N, None if new_tokens is None else N + int(new_tokens) - 1) if self.plan.bucketed else 0
+        self._fit(rows, hold, shrink=True)
         rows.columns = N
         if not rows.shared_staging:
             self._drop_staging(rows)
@@ -343,12 +353,14 @@ class GraphHost(Driver):
                        for n, (shape, dt) in self._chunk_shapes().items() if n in wanted}
             outputs["logits"] = rows.logits
         arrays = self._inputs(rows, graph)
-        head = self._head_slots(arrays, slots)
+        head = self._read_head(rows, arrays, slots)
         new = self.graphs.call(graph, self._feeds(graph, input_ids=feed_ids, positions=feed_pos),
                                {**arrays, **head}, outputs)
         self.graphs.forget(head.values())
         if first != chunk.pad:
             self.graphs.forget(v for n, v in outputs.items() if n != "logits")
+        # the buffers hold the chunk's rows (rule 7b), or the capacity a compaction reads
+        self._fit(rows, min(self.plan.capacities) if step.any_compaction else max(step.fills) + chunk.n_real)
         if step.any_compaction:
             graph = "compact_prefill_tail" if tail is not None else "compact_prefill"
             kept = self.graphs.call(graph,
@@ -364,13 +376,18 @@ class GraphHost(Driver):
             self._drop_staging(rows)
         return self._logits(rows), step.any_compaction
 
+    def _read_head(self, rows: Rows, arrays: dict, slots: int | None) -> dict:
+        """What a reading call is handed beside ``arrays`` under plan rule 7b: nothing when the rows' buffers are
+        held in their bucket (:meth:`_fit`: they are read whole), else :meth:`_head_slots` (a bank's slots)."""
+        return {} if rows.movable and self.plan.read_buckets else self._head_slots(arrays, slots)
+
     def _head_slots(self, arrays: dict, slots: int | None) -> dict:
         """Plan rule 7b: the first ``slots`` slots of every cache buffer in ``arrays`` that holds more, as contiguous
         copies (a graph binds contiguous buffers), held for one call. Empty when ``slots`` is None (the whole
         capacity) or every buffer is that size."""
         out = {}
         for n, a in arrays.items() if slots is not None else ():
-            if kind_of(n) not in ("kv", "scales", "positions") or a.shape[2] <= slots:
+            if kind_of(n) not in SLOTTED or a.shape[2] <= slots:
                 continue
             part = a[:, :, :slots]
             if not nbytes(a):  # an MLA cache's empty v_i: a buffer of its own (a view of nothing cannot be bound)
@@ -383,16 +400,17 @@ class GraphHost(Driver):
         """Rule 4: the decode graph, the host writes where the plan says, the compaction if due."""
         slots = self.plan.read_slots(rows.state.fills)
         step = rows.state.decode()
-        self._fit(rows, max(step.slots) + 1)
         tok, pos = tokens[:, None], positions[:, None]
-        if self.inplace:
+        if self.inplace:  # the graph writes the token's rows: its slot must be held before the call
+            self._fit(rows, max(step.slots) + 1)
             new = self._decode_in_place(rows, step, tok, pos)
         else:
             arrays = self._inputs(rows, "decode")
-            head = self._head_slots(arrays, slots)  # rule 7b: a short sequence's step reads its bucket
+            head = self._read_head(rows, arrays, slots)  # rule 7b: a short sequence's step reads its bucket
             new = self.graphs.call("decode", self._feeds("decode", input_ids=tok, positions=pos), {**arrays, **head},
                                    rows.step_out, persistent=rows.persistent and not head)
             self.graphs.forget(head.values())
+            self._fit(rows, max(step.slots) + 1)  # the host writes the token's rows: their slots held from now on
         logits = self._logits(rows)
         return logits, self._apply_decode(rows, step, new, pos, written=self.inplace)
 

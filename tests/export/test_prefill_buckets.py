@@ -139,6 +139,29 @@ def test_a_short_sequence_decodes_over_its_bucket(exported, name):
     np.testing.assert_allclose(got[:10], want[:10], atol=1e-4, rtol=0)
 
 
+def test_one_batch_holds_its_bucket_and_reads_its_buffers_whole(exported):
+    """The batch driver holds its cache in the bucket (plan rule 7b, CachePlan.slots_for): a 100-token prompt's
+    steps are handed the host's own buffers (no copy per call) and its resident bytes are the formula's for the
+    bucket, below the capacity's; past half the capacity it holds the capacity, as a server's bank does."""
+    from kvexport.cache.memory import CacheShape
+    from kvexport.export import OrtGenerator
+
+    _, out = exported("gqa-int8")
+    gen = OrtGenerator(out, threads=1)
+    shape, bank = CacheShape.from_export(gen.settings), CacheShape.from_export(gen.settings, banked=True)
+    own = _record(gen.graphs, lambda graph, feeds, arrays: all(a is gen.cache[n] for n, a in arrays.items())
+                  if graph == "decode" else None)
+    ids = np.random.default_rng(5).integers(3, 128, (1, 100))
+    gen.generate(ids, None, 40)
+    assert own == [True] * 39
+    held = gen.resident_bytes()
+    assert held == shape.resident_bytes_at(100 + 40 - 1)
+    assert {a.shape[2] for n, a in gen.cache.items() if re.fullmatch(r"(k|v|pos|ks|vs)_\d+", n)} == {256}
+    assert held["kv"] * (BUDGET + WINDOW) == bank.resident_bytes_at(139)["kv"] * 256
+    gen.generate(np.random.default_rng(6).integers(3, 128, (1, 300)), None, 4)  # 303 tokens: the capacity
+    assert gen.resident_bytes() == shape.resident_bytes_at(303) == bank.resident_bytes_at(303)
+
+
 def test_server_slots_decode_together_over_their_bucket(exported):
     """Two server slots (a bank of batch-1 rows, decode_batch.onnx) at different fills: each step reads the bucket
     of the fuller one; every sequence's tokens are the library path's."""

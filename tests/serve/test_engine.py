@@ -130,7 +130,7 @@ def test_resident_bytes_equal_the_formula_and_stay_fixed(export_dir, tokenizer):
 
     backend = GraphSlots(export_dir)
     got = backend.resident_bytes()
-    shape = CacheShape.from_export(backend.settings)
+    shape = CacheShape.from_export(backend.settings, banked=True)
     rows = got["slots"]
     assert rows == backend.settings["decode_batch"] == backend.n_slots
     want = shape.resident_bytes_at(100, batch=rows)
