@@ -34,22 +34,38 @@ class Rotary(nn.Module):
     def dim(self) -> int:
         return 2 * self.inv_freq.shape[0]
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (...,) int -> cos, sin (..., dim); negative (padding) positions act as 0."""
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32,
+                signed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (...,) int -> cos, sin (..., dim), each half the same; negative (padding) positions act as 0.
+        ``signed``: the first half of sin negated (the sign of :func:`rotate_half`, for :meth:`apply`)."""
         p = positions.clamp(min=0).to(torch.float32)
         freqs = p[..., None] * self.inv_freq  # (..., dim/2)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        c, s = (freqs.cos() * self.scaling).to(dtype), (freqs.sin() * self.scaling).to(dtype)
+        return torch.cat((c, c), dim=-1), torch.cat((-s if signed else s, s), dim=-1)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x (B, H, T, D), positions (B, T) -> x with channels [offset, offset+dim) rotated."""
-        cos, sin = self.cos_sin(positions, x.dtype)
+        """x (B, H, T, D), positions (B, T) -> x with channels [offset, offset+dim) rotated: ``x cos +
+        rotate_half(x) sin``.
+
+        A decode step (T = 1) writes it ``x cos + x[swap] sin'``, the halves swapped by one index and the sign of
+        ``rotate_half`` moved into the first half of ``sin'`` ((-a) b = a (-b) in IEEE arithmetic, so the same
+        values bit for bit): its graph gathers once per rotated tensor where a split, a negation and a
+        concatenation were three nodes (SmolLM2's step 37.3 -> 34.8 ms with 120 nodes fewer, 2026-12-07). A chunk
+        keeps ``rotate_half``: a gather of its many rows along the last axis made a 2k-token prefill 5 % slower."""
+        T = x.shape[-2]
+        step = isinstance(T, int) and T == 1
+        cos, sin = self.cos_sin(positions, x.dtype, signed=step)
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, dim)
+        if step:
+            swap = torch.arange(self.dim, device=x.device).roll(self.dim // 2)  # a constant: [half, ..., 0, ...]
+            turn = lambda t: t.index_select(-1, swap)  # noqa: E731  (one Gather; t[..., swap] traces to three nodes)
+        else:
+            turn = rotate_half
         if self.offset == 0 and self.dim == x.shape[-1]:
-            return x * cos + rotate_half(x) * sin
+            return x * cos + turn(x) * sin
         lo, hi = self.offset, self.offset + self.dim
         part = x[..., lo:hi]
-        rot = part * cos + rotate_half(part) * sin
+        rot = part * cos + turn(part) * sin
         return torch.cat((x[..., :lo], rot, x[..., hi:]), dim=-1)
 
     def matrix(self, positions: torch.Tensor, total_dim: int | None = None) -> torch.Tensor:

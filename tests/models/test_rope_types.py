@@ -86,3 +86,27 @@ def test_cli_refuses_length_dependent_rope_in_one_line(tmp_path):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     assert len(lines) == 1 and "rope_type 'dynamic'" in lines[0] and "accepted: default" in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("dim,offset,total", [(64, 0, 64), (4, 16, 20), (6, 2, 12), (128, 0, 128)])
+def test_rotary_apply_is_hf_rotation_bit_for_bit(dim, offset, total, T):
+    """Rotary.apply (a step's form: halves swapped by one index, the sign in the sin table; a chunk's:
+    rotate_half) against transformers' ``apply_rotary_pos_emb`` on the same cos / sin: equal bit for bit, padding
+    positions (-1) as position 0, and a slice of the channels (MLA's decoupled key) rotated with the rest
+    untouched."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from kvexport.models.rope import Rotary
+
+    g = torch.Generator().manual_seed(dim + offset)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    rot = Rotary(inv, scaling=0.9, offset=offset)
+    x = torch.randn(2, 3, T, total, generator=g)
+    pos = torch.tensor([[-1, 0, 7, 300, 4095], [5, 6, 7, 8, 9]])[:, :T] if T > 1 else torch.tensor([[-1], [4095]])
+    cos, sin = rot.cos_sin(pos)
+    part = x[..., offset:offset + dim]
+    want, _ = apply_rotary_pos_emb(part, part, cos, sin)  # unsqueezes cos / sin at dim 1
+    got = rot.apply(x, pos)
+    assert torch.equal(got[..., offset:offset + dim], want)
+    assert torch.equal(got[..., :offset], x[..., :offset]) and torch.equal(got[..., offset + dim:], x[..., offset + dim:])
