@@ -103,8 +103,10 @@ def markdown(res: dict) -> str:
         lines += [f"### {shape}", "",
                   f"hidden {sh['hidden']}, {sh['layers']} layers, {sh['heads']} heads / {sh['kv_heads']} KV heads of "
                   f"{sh['head_dim']}, MLP {sh['intermediate']}, vocab {sh['vocab']}; {sh['weight_bytes'] / MIB:.1f} MiB "
-                  f"of fp32 weights. Static budget {sh['budget']} + window {sh['window']}, prefill chunk {sh['chunk']}; "
-                  f"MLA r_kv {sh['mla_rank']} + d_rope {sh['rope_dim']} ({sh['mla_ratio']:.2f}× smaller per token).", ""]
+                  f"of fp32 weights. The static-budget rows other than kvx-default* (which take `kvexport convert`'s "
+                  f"defaults, named in the rows' descriptions): budget {sh['budget']} + window {sh['window']}, prefill "
+                  f"chunk {sh['chunk']}; the MLA rows: r_kv {sh['mla_rank']} + d_rope {sh['rope_dim']} "
+                  f"({sh['mla_ratio']:.2f}× smaller per token).", ""]
         for title, key, fmt in (("Decode ms/token (median)", "decode_ms_median", "{:.2f}"),
                                 ("Peak process memory (MiB)", "peak_rss", None),
                                 ("Resident cache bytes (every buffer a sequence keeps: K/V, positions, the "
