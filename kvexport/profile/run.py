@@ -11,6 +11,7 @@ Contexts past the model's position range are skipped and listed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -144,6 +145,10 @@ def _onnx_runners(d: Path, shape: CacheShape, with_baseline: bool, backend: str)
     """-> {variant: () -> runner}: each export's sessions are made only when its variant is profiled."""
     exp = layout.export_dir_of(d)
     base = d / layout.BASELINE_DIR
+    man = layout.read_manifest(exp)
+    if shape.budget is not None and man is not None and (man.get("settings") or {}).get("read_buckets"):
+        # the graph host holds a short sequence's cache in its read bucket (kvexport.cache.plan rule 7b)
+        shape = dataclasses.replace(shape, read_buckets=True)
     if backend == "tensorrt":
         engines = d / layout.ENGINE_DIR if (d / layout.ENGINE_DIR).is_dir() else None
 

@@ -162,6 +162,21 @@ def test_one_batch_holds_its_bucket_and_reads_its_buffers_whole(exported):
     assert gen.resident_bytes() == shape.resident_bytes_at(303) == bank.resident_bytes_at(303)
 
 
+def test_profile_counts_the_bucket_it_holds(exported):
+    """`kvexport profile` of a read-bucket export: at a short context its analytic K/V bytes are the bucket's
+    (CacheShape with read_buckets) and equal what the runtime holds; at a long one, the capacity's."""
+    from kvexport.cache.memory import CacheShape
+    from kvexport.profile.run import profile_dir
+
+    _, out = exported("gqa-int8")
+    prof = profile_dir(out, contexts=[60, 400], decode_steps=2, baseline=False, write=False, repeats=1)
+    rows = {r["context"]: r for r in prof["variants"]["converted"]["contexts"]}
+    bank = CacheShape.from_export(__import__("json").loads((out / "manifest.json").read_text())["settings"],
+                                  banked=True)
+    assert rows[60]["resident"]["kv"] == rows[60]["kv_bytes"] == bank.bytes_at(61) * 256 // (BUDGET + WINDOW)
+    assert rows[400]["resident"]["kv"] == rows[400]["kv_bytes"] == bank.bytes_at(401)
+
+
 def test_server_slots_decode_together_over_their_bucket(exported):
     """Two server slots (a bank of batch-1 rows, decode_batch.onnx) at different fills: each step reads the bucket
     of the fuller one; every sequence's tokens are the library path's."""
