@@ -225,7 +225,7 @@ def attention_over_parts(q, parts, q_pos, scaling: float, sliding_window: int | 
         else:
             logits.append(lg + mask_bias(q_pos, k_pos, sliding_window))
     # masked entries get exp(min - max) = 0, unless nothing is visible (then every entry the same weight)
-    if T == 1:  # a decode step: one softmax over the parts' few logits side by side, each part's share read apart
+    if isinstance(T, int) and T == 1:  # a decode step: one softmax over the parts' few logits side by side
         shares = torch.softmax(torch.cat(logits, dim=-1), dim=-1).split([lg.shape[-1] for lg in logits], dim=-1)
         den = None
     else:  # a chunk's many logits are not copied: each part exponentiated against the shared maximum, then summed
