@@ -335,7 +335,6 @@ class GraphHost(Driver):
         if tail is not None and not L:
             raise BadUsage("this export's graphs take no lookahead tail (kvexport.cache.plan rule 3b): export it "
                            "with --lookahead")
-        slots = self.plan.read_slots(rows.state.fills)
         step = rows.state.prefill(chunk.n_real)
         feed_ids, feed_pos, graph = ids, pos, "prefill"
         if L and tail is None and "prefill_last" in self.settings["graphs"]:
@@ -353,7 +352,7 @@ class GraphHost(Driver):
                        for n, (shape, dt) in self._chunk_shapes().items() if n in wanted}
             outputs["logits"] = rows.logits
         arrays = self._inputs(rows, graph)
-        head = self._read_head(rows, arrays, slots)
+        head = self._read_head(rows, arrays, step.fills)
         new = self.graphs.call(graph, self._feeds(graph, input_ids=feed_ids, positions=feed_pos),
                                {**arrays, **head}, outputs)
         self.graphs.forget(head.values())
@@ -376,10 +375,13 @@ class GraphHost(Driver):
             self._drop_staging(rows)
         return self._logits(rows), step.any_compaction
 
-    def _read_head(self, rows: Rows, arrays: dict, slots: int | None) -> dict:
-        """What a reading call is handed beside ``arrays`` under plan rule 7b: nothing when the rows' buffers are
-        held in their bucket (:meth:`_fit`: they are read whole), else :meth:`_head_slots` (a bank's slots)."""
-        return {} if rows.movable and self.plan.read_buckets else self._head_slots(arrays, slots)
+    def _read_head(self, rows: Rows, arrays: dict, fills) -> dict:
+        """What a reading call is handed beside ``arrays`` under plan rule 7b when the rows hold ``fills`` before
+        it: nothing when their buffers are held in their bucket (:meth:`_fit`: they are read whole), else
+        :meth:`_head_slots` of the bucket (a bank's slots)."""
+        if rows.movable and self.plan.read_buckets:
+            return {}
+        return self._head_slots(arrays, self.plan.read_slots(fills))
 
     def _head_slots(self, arrays: dict, slots: int | None) -> dict:
         """Plan rule 7b: the first ``slots`` slots of every cache buffer in ``arrays`` that holds more, as contiguous
@@ -398,7 +400,6 @@ class GraphHost(Driver):
 
     def _decode(self, rows: Rows, tokens: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, bool]:
         """Rule 4: the decode graph, the host writes where the plan says, the compaction if due."""
-        slots = self.plan.read_slots(rows.state.fills)
         step = rows.state.decode()
         tok, pos = tokens[:, None], positions[:, None]
         if self.inplace:  # the graph writes the token's rows: its slot must be held before the call
@@ -406,7 +407,7 @@ class GraphHost(Driver):
             new = self._decode_in_place(rows, step, tok, pos)
         else:
             arrays = self._inputs(rows, "decode")
-            head = self._read_head(rows, arrays, slots)  # rule 7b: a short sequence's step reads its bucket
+            head = self._read_head(rows, arrays, step.slots)  # rule 7b: a short sequence's step reads its bucket
             new = self.graphs.call("decode", self._feeds("decode", input_ids=tok, positions=pos), {**arrays, **head},
                                    rows.step_out, persistent=rows.persistent and not head)
             self.graphs.forget(head.values())
