@@ -71,7 +71,7 @@ def convert_cmd(
                                                   "next-token agreement with the original model is below this."),
     max_ppl_increase: Optional[float] = typer.Option(None, "--max-ppl-increase", help="Fail the validate stage "
                                                      "when perplexity rises by more than this (0.05 = +5 %)."),
-    choose: bool = typer.Option(False, "--choose", help="Choose the press, budget and cache format by measured "
+    choose: bool = typer.Option(False, "--choose", help="Choose the press, budget, cache format and MLA rank by measured "
                                 "fidelity: the smallest cache meeting --min-agreement (default 0.9), "
                                 "--max-ppl-increase (0.1) and --min-recall (0.9) on calibration text "
                                 "(DIR/choice.json; minutes to an hour on a CPU)."),

@@ -5,9 +5,13 @@
 caches on the PyTorch library path against the original model, on *calibration* text (the held-out text stays for
 the validate stage's report), and keeps the one that holds the fewest bytes per sequence among those that meet every
 target. Candidates (:data:`FAMILIES`): a press with kvexport's lookahead and neighbours, at a ladder of budgets, with
-the model's cache format or int8, and int8 alone (no eviction). For each family the budget is found by bisection on
-the ladder (fidelity grows with the budget), so a family costs about log2(ladder) measurements; families that cannot
-beat the best found so far in bytes (read off an empty cache of that shape) are not measured at all.
+the model's cache format or int8, and int8 alone (no eviction); then the MLA ranks (:data:`MLA_RATIOS`: the
+undistilled rewrite of :func:`kvexport.eval.sweep.mla_settings_for`, 1.5x / 2x / 3.6x fewer elements per token)
+under the best GQA family's press and format. For each family the budget is found by bisection on the ladder
+(fidelity grows with the budget), so a family costs about log2(ladder) measurements; families that cannot beat the
+best found so far in bytes (read off an empty cache of that shape) are not measured at all. The ranks are searched
+from the largest down and stop at the first that misses at its largest budget (fidelity grows with the rank too), so
+a model that MLA loses costs one rewrite and one measurement.
 
 Measures (:class:`kvexport.eval.sweep.Sweep`): next-token agreement, KL and perplexity over ``windows`` windows of
 ``context`` tokens of calibration prose (the Python documentation's calibration pages), and passkey retrieval at
@@ -25,6 +29,8 @@ from typing import Any
 from kvexport.errors import BadUsage
 
 LADDER = (256, 512, 1024, 2048, 4096)
+#: MLA compressions tried (per-token elements of the GQA cache / the latent cache's), least compressed first
+MLA_RATIOS = (1.5, 2.0, 3.6)
 
 
 @dataclass(frozen=True)
@@ -59,28 +65,31 @@ class Targets:
 
 @dataclass(frozen=True)
 class Family:
-    """A kind of cache whose size is set by its budget (None: no eviction)."""
+    """A kind of cache whose size is set by its budget (None: no eviction); ``mla``: on the MLA rewrite that many
+    times smaller per token (None: the model's own attention)."""
 
     press: str | None
     kv_dtype: str | None = None
     neighbors: int = 3
     lookahead: int = 64
+    mla: float | None = None
 
     def setting(self, budget: int | None, window: int, chunk: int):
         from kvexport.eval.sweep import Setting
         from kvexport.presses import PRESSES
 
         if self.press is None:
-            return Setting(kv_dtype=self.kv_dtype, chunk=chunk)
+            return Setting(kv_dtype=self.kv_dtype, chunk=chunk, mla=self.mla)
         look = (("lookahead", self.lookahead),) if self.lookahead and PRESSES[self.press].observes else ()
-        return Setting(self.press, budget, window=window, chunk=chunk, kv_dtype=self.kv_dtype,
+        return Setting(self.press, budget, window=window, chunk=chunk, kv_dtype=self.kv_dtype, mla=self.mla,
                        press_kw=(("neighbors", self.neighbors),), generate_kw=look)
 
     @property
     def label(self) -> str:
+        mla = "" if self.mla is None else f"MLA {self.mla:g}x, "
         if self.press is None:
-            return f"no eviction, {self.kv_dtype} cache"
-        return f"{self.press} + lookahead {self.lookahead} + neighbours {self.neighbors}" + (
+            return f"{mla}no eviction, {self.kv_dtype} cache"
+        return f"{mla}{self.press} + lookahead {self.lookahead} + neighbours {self.neighbors}" + (
             f", {self.kv_dtype} cache" if self.kv_dtype else "")
 
 
@@ -128,9 +137,11 @@ def predicted_bytes(decoder, fam: Family, budget: int | None, window: int, chunk
 
 def choose(model_dir, targets: Targets, *, context: int = 4096, positions: int = 8192, window: int = 32,
            chunk: int = 512, families=FAMILIES, ladder=LADDER, windows: int = 2, threads: int | None = None,
-           log=None) -> Choice:
-    """Search the families (module docstring) for the fewest resident bytes at ``positions`` tokens that meet
-    ``targets`` at ``context`` tokens. ``log(line)`` narrates."""
+           mla_ratios=MLA_RATIOS, log=None) -> Choice:
+    """Search the families, then the MLA ranks (module docstring), for the fewest resident bytes at ``positions``
+    tokens that meet ``targets`` at ``context`` tokens. ``log(line)`` narrates."""
+    from dataclasses import replace
+
     from kvexport.eval.sweep import Sweep, SweepSpec
 
     say = log or (lambda _m: None)
@@ -150,6 +161,7 @@ def choose(model_dir, targets: Targets, *, context: int = 4096, positions: int =
         b = resident_bytes(m, positions)
         row = {"family": fam.label, "press": fam.press, "kv_dtype": fam.kv_dtype, "budget": budget,
                "neighbors": fam.neighbors if fam.press else None, "lookahead": fam.lookahead if fam.press else None,
+               "mla": None if fam.mla is None else {"ratio": fam.mla, **_mla_dims(sw.decoder.spec, fam.mla)},
                "resident_bytes": b, "agreement": m["text"]["agreement"], "kl": m["text"]["kl"],
                "ppl_increase": m["text"]["ppl_increase"],
                "recall": {k: [p["accuracy"], p["original"]] for k, p in m["probes"].items()},
@@ -159,14 +171,17 @@ def choose(model_dir, targets: Targets, *, context: int = 4096, positions: int =
             f"ppl +{row['ppl_increase']:.1%}" + ("" if not miss else f" - misses: {'; '.join(miss)}"))
         return not miss, row
 
-    for fam in families:
+    def search(fam: Family) -> str:
+        """Bisect ``fam``'s budgets; -> "met", "missed" (at its largest budget) or "skipped" (nothing smaller)."""
+        nonlocal best
+        dec = sw.model(fam.mla)
         # only the budgets whose cache would be smaller than the best so far are worth measuring
-        sizes = {b: predicted_bytes(sw.decoder, fam, b, window, chunk, positions)
+        sizes = {b: predicted_bytes(dec, fam, b, window, chunk, positions)
                  for b in ([None] if fam.press is None else ladder)}
         rungs = [b for b, n in sizes.items() if best is None or n < best[0]]
         if not rungs:
             say(f"  {fam.label}: no budget would hold fewer bytes than the best so far; not measured")
-            continue
+            return "skipped"
         lo, hi, found = 0, len(rungs) - 1, None
         ok, row = measure(fam, rungs[hi])  # the largest first: if it misses, the family is out
         if ok:
@@ -180,9 +195,29 @@ def choose(model_dir, targets: Targets, *, context: int = 4096, positions: int =
                     lo = mid + 1
         if found is not None and (best is None or found["resident_bytes"] < best[0]):
             best = (found["resident_bytes"], found)
+        return "met" if found is not None else "missed"
+
+    for fam in families:
+        search(fam)
+    # the MLA ranks under the best family's press and cache format (or the first family's when none met), largest
+    # rank first; a rank that misses at its largest budget ends the search (a smaller one keeps less)
+    base = next((f for f in families if best is not None and f.label == best[1]["family"]), families[0])
+    for ratio in mla_ratios:
+        if search(replace(base, mla=float(ratio))) == "missed":
+            rest = [f"{r:g}x" for r in mla_ratios if r > ratio]
+            if rest:
+                say(f"  MLA {ratio:g}x missed at its largest budget; {', '.join(rest)} not measured")
+            break
     for row in trail:
         row["chosen"] = best is not None and row is best[1]
     return Choice(best[1] if best else None, trail, asdict(targets), context, round(time.time() - t0, 1))
 
 
-__all__ = ["Targets", "Family", "FAMILIES", "LADDER", "Choice", "choose", "resident_bytes"]
+def _mla_dims(spec, ratio: float) -> dict[str, int]:
+    from kvexport.eval.sweep import mla_settings_for
+
+    m = mla_settings_for(spec, ratio)
+    return {"kv_rank": int(m.kv_rank), "rope_dim": int(m.rope_dim)}
+
+
+__all__ = ["Targets", "Family", "FAMILIES", "LADDER", "MLA_RATIOS", "Choice", "choose", "resident_bytes"]

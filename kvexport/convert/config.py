@@ -108,7 +108,7 @@ class ConvertConfig:
     eval_data: str | None = None
     min_agreement: float | None = None
     max_ppl_increase: float | None = None
-    #: --choose: pick press, budget and cache format by measured fidelity (kvexport.convert.choose), with these
+    #: --choose: pick press, budget, cache format and MLA rank by measured fidelity (kvexport.convert.choose), with these
     #: targets (the agreement / perplexity ones above, and passkey recall as a fraction of the original's)
     choose: bool = False
     min_recall: float | None = None
@@ -234,7 +234,7 @@ class ConvertConfig:
         if self.choose:
             given = [k for k in _COMPRESSION_KEYS + ("kv_dtype",) if getattr(self, k) is not None]
             if given:
-                raise BadUsage(f"--choose picks the press, budget and cache format itself; drop "
+                raise BadUsage(f"--choose picks the press, budget, cache format and MLA rank itself; drop "
                                f"{', '.join('--' + k.replace('_', '-') for k in given)}")
             if not self.fidelity:
                 raise BadUsage("--choose measures fidelity; drop --no-fidelity")

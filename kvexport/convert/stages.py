@@ -177,6 +177,8 @@ def stage_choose(st: ConvertState) -> str:
 
         cfg.lookahead = cfg.lookahead if PRESSES[c["press"]].observes else 0
     cfg.kv_dtype = c["kv_dtype"]
+    if c.get("mla"):  # the rewrite stage makes the rank measured (its own calibration text: docs/convert.md)
+        cfg.mla_rank, cfg.rope_dim = c["mla"]["kv_rank"], c["mla"]["rope_dim"]
     if not c["press"]:
         cfg.window = None
     # convert.json then reproduces the chosen conversion itself (the search is recorded beside it)
@@ -190,6 +192,12 @@ def stage_rewrite(st: ConvertState) -> str:
     from kvexport.mla.io import save_mla
     from kvexport.mla.rewrite import rewrite_to_mla
 
+    if not st.cfg.uses_mla:  # enabled for --choose, which may pick a rank or not
+        raise StageSkipped("no MLA (eviction is applied in the export)")
+    if st.decoder is None:  # --choose picked a rank: the load stage did not read the weights
+        from kvexport.mla.io import load_decoder
+
+        st.decoder, st.hf = load_decoder(st.model_path, "fp32")
     # the original is not read again (distill loads its teacher itself): the HF model, which shares the Decoder's
     # tensors, is dropped first, and the Decoder is rewritten in place, each layer's GQA projections freed in turn
     dec = st.decoder
@@ -423,7 +431,8 @@ def run_convert(cfg: ConvertConfig, out: str | Path, force: bool = False, consol
         stages = [
             Stage("load", lambda: stage_load(st)),
             Stage("choose", lambda: stage_choose(st), cfg.choose, "no --choose"),
-            Stage("rewrite", lambda: stage_rewrite(st), cfg.uses_mla, "no MLA (eviction is applied in the export)"),
+            Stage("rewrite", lambda: stage_rewrite(st), cfg.uses_mla or cfg.choose,
+                  "no MLA (eviction is applied in the export)"),
             Stage("distill", lambda: stage_distill(st), cfg.distills, "no --distill-teacher"),
             Stage("export", lambda: stage_export(st)),
             Stage("engine", lambda: stage_engine(st), cfg.target == "tensorrt", "--target onnx"),

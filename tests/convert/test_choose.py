@@ -46,7 +46,38 @@ def test_the_choice_meets_the_targets_and_is_what_was_exported(chosen):
         assert m["press"]["name"] == c["press"] and m["press"]["params"]["budget"] == c["budget"]
         assert m["press"]["params"]["neighbors"] == c["neighbors"] and m["lookahead"] == c["lookahead"]
     assert m["kv_dtype"] == (c["kv_dtype"] or m["dtype"])
-    assert {st["name"]: st["status"] for st in cj["stages"]}["choose"] == "done"
+    stages = {st["name"]: st["status"] for st in cj["stages"]}
+    assert stages["choose"] == "done"
+    if c["mla"]:  # a rank was chosen: the rewrite stage made that rank, and the export runs it
+        assert stages["rewrite"] == "done" and (s["mla_rank"], s["rope_dim"]) == (c["mla"]["kv_rank"],
+                                                                                 c["mla"]["rope_dim"])
+        assert set(m["mla"]["kv_ranks"]) == {c["mla"]["kv_rank"]} and m["mla"]["rope_dim"] == c["mla"]["rope_dim"]
+    else:
+        assert stages["rewrite"] == "skipped" and s["mla_rank"] is None and m["mla"] is None
+
+
+def test_the_search_tries_the_mla_ranks(chosen):
+    """The MLA ranks are candidates, under the best family's press and cache format: a rank is measured when its
+    latent cache would hold fewer bytes than the best found so far (on the student the 2x rank does, and keeps
+    these loose targets), from the least compressed up, and a more compressed one only after a less compressed
+    one kept the targets."""
+    from kvexport.convert.choose import MLA_RATIOS
+
+    out, _ = chosen
+    choice = json.loads((out / "choice.json").read_text())
+    gqa = [r for r in choice["trail"] if not r["mla"]]
+    mla = [r for r in choice["trail"] if r["mla"]]
+    assert mla and any(r["meets"] for r in mla)
+    best_gqa = min((r for r in gqa if r["meets"]), key=lambda r: r["resident_bytes"])
+    for r in mla:
+        assert (r["press"], r["kv_dtype"]) == (best_gqa["press"], best_gqa["kv_dtype"])
+        assert r["resident_bytes"] < best_gqa["resident_bytes"]
+        assert r["mla"]["ratio"] in MLA_RATIOS
+    ratios = [r["mla"]["ratio"] for r in mla]
+    assert ratios == sorted(ratios)
+    measured = sorted(set(ratios))
+    for lo in measured[:-1]:
+        assert any(r["meets"] for r in mla if r["mla"]["ratio"] == lo), lo
 
 
 def test_unreachable_targets_stop_with_one_line(tmp_path, capsys):
@@ -60,4 +91,4 @@ def test_unreachable_targets_stop_with_one_line(tmp_path, capsys):
 
 def test_choose_refuses_compression_flags(tmp_path, capsys):
     rc = main(["convert", "--choose", "--press", "knorm", "--out", str(tmp_path / "x")])
-    assert rc == 2 and "--choose picks the press, budget and cache format itself; drop --press" in capsys.readouterr().err
+    assert rc == 2 and "--choose picks the press, budget, cache format and MLA rank itself; drop --press" in capsys.readouterr().err

@@ -141,7 +141,7 @@ def test_default_budget_fits_the_model():
     ({"press": "none", "neighbors": 3}, "--neighbors refines an eviction press"),
     ({"press": "snapkv", "lookahead": -1}, "--lookahead -1 must be >= 0"),
     ({"neighbors": -2, "press": "snapkv"}, "--neighbors -2 must be >= 0"),
-    ({"choose": True, "budget": 512}, "--choose picks the press, budget and cache format itself; drop --budget"),
+    ({"choose": True, "budget": 512}, "--choose picks the press, budget, cache format and MLA rank itself; drop --budget"),
     ({"choose": True, "kv_dtype": "int8"}, "drop --kv-dtype"),
     ({"min_recall": 0.9}, "--min-recall and --choose-context are settings of --choose"),
     ({"choose": True, "min_recall": 1.5}, r"--min-recall 1.5 must be in \[0, 1\]"),
