@@ -252,7 +252,7 @@ REAL_DECODE_TARGETS = (
 REAL_TTFT_TARGETS = (("kvx-default", "ortgenai"), ("kvx-default-int4", "ortgenai-int4"),
                      ("kvx-default-int4-a8", "ortgenai-int4"))
 #: rows whose decode step must reach this share of the memory-bandwidth bound, at every context
-REAL_BOUND_ROWS, REAL_BOUND_SHARE = ("kvx-default", "kvx-default-int4", "kvx-default-int4-a8"), 0.6
+REAL_BOUND_ROWS, REAL_BOUND_SHARE = ("kvx-default", "kvx-default-fp16", "kvx-default-int4", "kvx-default-int4-a8"), 0.6
 
 
 def _real_model_goals(res: dict, sh: str, ctxs: list[int], add) -> None:

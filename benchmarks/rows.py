@@ -27,6 +27,8 @@ Rows, all greedy decoding at batch 1 of the same model and prompt:
     kvx-default-int4  the same with ``--weights int4`` (onnxruntime's MatMulNBits)
     kvx-default-int4-a8  the same with ``--weights int4-a8`` (MatMulNBits with int8 activations, accuracy level 4:
                     the arithmetic onnxruntime-genai's int4 row runs)
+    kvx-default-fp16  the same with ``--weights fp16`` (on request: issue 33's share of the bound for fp16 weights;
+                    onnxruntime's CPU MatMul is float32, so each weight is cast up as it is read)
 
 Shapes: ``student`` (models/kvx-student), ``llama1b`` (Llama-3.2-1B's hidden size, heads, KV heads, head dim
 and MLP width with 2 layers, random weights), ``llama1b-16`` (all 16 layers, the vocabulary cut to 32k: decode
@@ -114,6 +116,8 @@ ROWS: dict[str, Row] = {r.name: r for r in [
         weights="int4", precision="int4", real_model_peer=True),
     Row("kvx-default-int4-a8", "kvx", "the same with --weights int4-a8 (int8 activations, as onnxruntime-genai int4)",
         convert_defaults=True, weights="int4-a8", precision="int4", real_model_peer=True),
+    Row("kvx-default-fp16", "kvx", "the same with --weights fp16 (MatMul weights stored in fp16)",
+        convert_defaults=True, weights="fp16", precision="fp16", real_model_peer=True, on_request=True),
     Row("kvx-snapkv", "kvx", "kvexport SnapKV static budget", press="snapkv", inplace=True),
     Row("kvx-streaming", "kvx", "kvexport StreamingLLM static budget", press="streaming_llm", inplace=True),
     Row("kvx-snapkv-std", "kvx", "kvexport SnapKV static budget, standard decode graph (what TensorRT runs)",
