@@ -130,7 +130,7 @@ def main(argv=None) -> int:
                 f" {row['parity']['token_agreement']:.3f}, {'passed' if row['parity']['passed'] else 'FAILED'}",
                 flush=True)
     print("\n| length | original | chunked (PyTorch) | single-shot (PyTorch) | export (onnxruntime) | export kept sets "
-          "= PyTorch chunked |\n|---:|---|---|---|---|---|")
+          "= PyTorch chunked (validate, ties followed) | validate |\n|---:|---|---|---|---|---|---|")
     for n in sorted({r["length"] for r in rows}):
         rs = [r for r in rows if r["length"] == n]
         cnt = {name: sum(r[name]["hit"] for r in rs) if name in names else "-" for name in
