@@ -11,7 +11,8 @@ under the best GQA family's press and format. For each family the budget is foun
 (fidelity grows with the budget), so a family costs about log2(ladder) measurements; families that cannot beat the
 best found so far in bytes (read off an empty cache of that shape) are not measured at all. The ranks are searched
 from the largest down and stop at the first that misses at its largest budget (fidelity grows with the rank too), so
-a model that MLA loses costs one rewrite and one measurement.
+a model that MLA loses costs a rewrite per rank tried (a rank whose cache would not be smaller is rewritten, sized and
+skipped) and one measurement.
 
 Measures (:class:`kvexport.eval.sweep.Sweep`): next-token agreement, KL and perplexity over ``windows`` windows of
 ``context`` tokens of calibration prose (the Python documentation's calibration pages), and passkey retrieval at
