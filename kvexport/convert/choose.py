@@ -147,8 +147,9 @@ def choose(model_dir, targets: Targets, *, context: int = 4096, positions: int =
 
     say = log or (lambda _m: None)
     t0 = time.time()
+    # an MLA rank is measured as the rewrite stage will make it: its default calibration, not the sweep's prose
     spec = SweepSpec(windows=windows, context=context, scored=64, probe_lengths=(context,), probe_kinds=("passkey",),
-                     text_split="calibration", threads=threads)
+                     text_split="calibration", threads=threads, calibration_tokens=0)
     sw = Sweep(model_dir, spec, log=say)
     ladder = [b for b in ladder if b < context]
     if not ladder:
@@ -169,7 +170,7 @@ def choose(model_dir, targets: Targets, *, context: int = 4096, positions: int =
                "meets": not miss, "misses": miss, "seconds": m["seconds"]}
         trail.append(row)
         say(f"  {fam.label}, budget {budget}: {b / 1e6:.1f} MB, agreement {row['agreement']:.1%}, "
-            f"ppl +{row['ppl_increase']:.1%}" + ("" if not miss else f" - misses: {'; '.join(miss)}"))
+            f"ppl {row['ppl_increase']:+.1%}" + ("" if not miss else f" - misses: {'; '.join(miss)}"))
         return not miss, row
 
     def search(fam: Family) -> str:
@@ -203,6 +204,9 @@ def choose(model_dir, targets: Targets, *, context: int = 4096, positions: int =
     # the MLA ranks under the best family's press and cache format (or the first family's when none met), largest
     # rank first; a rank that misses at its largest budget ends the search (a smaller one keeps less)
     base = next((f for f in families if best is not None and f.label == best[1]["family"]), families[0])
+    from kvexport.mla.config import equalizes_latent
+
+    sw.spec.mla_equalize = equalizes_latent(base.kv_dtype)  # as the rewrite stage does for that cache format
     for ratio in mla_ratios:
         if search(replace(base, mla=float(ratio))) == "missed":
             rest = [f"{r:g}x" for r in mla_ratios if r > ratio]

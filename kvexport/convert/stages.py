@@ -185,7 +185,7 @@ def stage_choose(st: ConvertState) -> str:
     cfg.choose, cfg.min_recall, cfg.choose_context = False, None, None
     return (f"{c['family']}" + (f", budget {c['budget']}" if c["budget"] else "")
             + f": {c['resident_bytes'] / 2**20:.1f} MiB at {min(8192, ctx)} tokens, agreement {c['agreement']:.1%}, "
-            f"ppl +{c['ppl_increase']:.1%}; {len(choice.trail)} candidates in {choice.seconds:.0f} s")
+            f"ppl {c['ppl_increase']:+.1%}; {len(choice.trail)} candidates in {choice.seconds:.0f} s")
 
 
 def stage_rewrite(st: ConvertState) -> str:

@@ -77,7 +77,10 @@ class SweepSpec:
     probe_lengths: tuple[int, ...] = (1536, 4096, 8192)
     probe_kinds: tuple[str, ...] = ("passkey", "span_recall")
     depths: tuple[float, ...] = (0.1, 0.5, 0.9)
+    #: prose tokens the MLA rewrites are calibrated on (0: the rewrite's default, what convert's rewrite stage uses)
     calibration_tokens: int = 8192
+    #: the MLA rewrites equalize their latent (what convert does for an int8 cache: MLASettings.equalize_latent)
+    mla_equalize: bool = False
     #: where the text windows come from: the held-out prose (reports) or the calibration prose (choosing settings)
     text_split: str = "heldout"
     seed: int = 0
@@ -142,11 +145,18 @@ class Sweep:
             from kvexport.mla.rewrite import rewrite_to_mla
 
             s = self.spec
-            calib = prose_stream(self.tok, "calibration")[: s.calibration_tokens]
-            calib = calib[: (calib.numel() // 512) * 512].reshape(-1, 512)
+            calib = None  # 0 tokens: the rewrite's own default calibration, as `kvexport convert --mla-rank` makes it
+            if s.calibration_tokens:
+                calib = prose_stream(self.tok, "calibration")[: s.calibration_tokens]
+                calib = calib[: (calib.numel() // 512) * 512].reshape(-1, 512)
+            settings = mla_settings_for(self.decoder.spec, mla)
+            if s.mla_equalize:
+                from dataclasses import replace
+
+                settings = replace(settings, equalize_latent=True)
             self._mla.clear()  # one rewrite held at a time
             t = time.time()
-            self._mla[mla] = rewrite_to_mla(self.decoder, mla_settings_for(self.decoder.spec, mla), calib)
+            self._mla[mla] = rewrite_to_mla(self.decoder, settings, calib)
             self.log(f"  MLA {mla:g}x rewritten in {time.time() - t:.0f} s")
         return self._mla[mla]
 

@@ -19,7 +19,7 @@ FAST = ["--choose-context", "512", "--chunk", "128", "--no-profile", "--no-basel
 @pytest.fixture(scope="module")
 def chosen(tmp_path_factory):
     out = tmp_path_factory.mktemp("choose") / "kvx-chosen"
-    rc = main(["convert", "--choose", "--min-agreement", "0.5", "--max-ppl-increase", "1.0", "--min-recall", "0",
+    rc = main(["convert", "--choose", "--min-agreement", "0.4", "--max-ppl-increase", "1.0", "--min-recall", "0",
                "--out", str(out), *FAST])
     return out, rc
 
@@ -30,8 +30,8 @@ def test_the_choice_meets_the_targets_and_is_what_was_exported(chosen):
     choice = json.loads((out / "choice.json").read_text())
     c = choice["chosen"]
     assert c is not None and c["meets"] and not c["misses"]
-    assert c["agreement"] >= 0.5 and c["ppl_increase"] <= 1.0
-    assert choice["targets"] == {"min_agreement": 0.5, "max_ppl_increase": 1.0, "min_recall": 0.0}
+    assert c["agreement"] >= 0.4 and c["ppl_increase"] <= 1.0
+    assert choice["targets"] == {"min_agreement": 0.4, "max_ppl_increase": 1.0, "min_recall": 0.0}
     assert [r for r in choice["trail"] if r["chosen"]] == [c]
     for r in choice["trail"]:  # nothing measured that holds fewer bytes met the targets
         if r["resident_bytes"] < c["resident_bytes"]:
