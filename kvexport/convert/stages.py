@@ -177,7 +177,7 @@ def stage_choose(st: ConvertState) -> str:
 
         cfg.lookahead = cfg.lookahead if PRESSES[c["press"]].observes else 0
     cfg.kv_dtype = c["kv_dtype"]
-    if c.get("mla"):  # the rewrite stage makes the rank measured (its own calibration text: docs/convert.md)
+    if c.get("mla"):  # the rewrite stage makes the rank as it was measured (docs/convert.md)
         cfg.mla_rank, cfg.rope_dim = c["mla"]["kv_rank"], c["mla"]["rope_dim"]
     if not c["press"]:
         cfg.window = None
