@@ -144,6 +144,7 @@ def choose(model_dir, targets: Targets, *, context: int = 4096, positions: int =
     from dataclasses import replace
 
     from kvexport.eval.sweep import Sweep, SweepSpec
+    from kvexport.mla.config import equalizes_latent
 
     say = log or (lambda _m: None)
     t0 = time.time()
@@ -204,8 +205,6 @@ def choose(model_dir, targets: Targets, *, context: int = 4096, positions: int =
     # the MLA ranks under the best family's press and cache format (or the first family's when none met), largest
     # rank first; a rank that misses at its largest budget ends the search (a smaller one keeps less)
     base = next((f for f in families if best is not None and f.label == best[1]["family"]), families[0])
-    from kvexport.mla.config import equalizes_latent
-
     sw.spec.mla_equalize = equalizes_latent(base.kv_dtype)  # as the rewrite stage does for that cache format
     for ratio in mla_ratios:
         if search(replace(base, mla=float(ratio))) == "missed":
