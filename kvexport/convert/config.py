@@ -10,7 +10,9 @@ reason):
   that is less), window 32, prefill chunk 512, an int8 cache (unless ``--kv-dtype`` says otherwise), no MLA
   (undistilled MLA loses a real model: docs/sweep.md). As soon as one compression setting is given, only what is
   given is applied (``--press snapkv --budget 256`` = kvpress's SnapKV, no neighbours or lookahead, the model's
-  cache dtype; ``--mla-rank 64`` = MLA only).
+  cache dtype; ``--mla-rank 64`` = MLA only), with one exception: ``--budget`` / ``--window`` without ``--press``
+  (and without ``--neighbors`` / ``--lookahead``) size the default press, neighbours and lookahead included, with
+  the int8 cache unless ``--kv-dtype`` or MLA is given (``--budget 512`` = the default conversion at 512).
 - ``--press none`` keeps every token (no eviction); ``--budget``/``--window`` then make no sense.
 - ``--mla-rank`` and ``--mla-energy`` exclude each other; ``--rope-dim`` needs one of them.
 - Distillation needs a teacher, data and MLA (it repairs the MLA rewrite).
@@ -262,11 +264,13 @@ class ConvertConfig:
             for name in ("neighbors", "lookahead"):
                 if getattr(self, name):
                     raise BadUsage(f"--{name} refines an eviction press (--press P); without one every token is kept")
-            if self.budget is not None:
-                raise BadUsage("--budget needs an eviction press (--press P); without one every token is kept")
-            if self.window is not None:
-                raise BadUsage("--window needs an eviction press (--press P); it sizes the decode slots "
-                               "between compactions")
+            # without --press, --budget / --window size the default press (resolve); --press none keeps every token
+            if self.press == "none" or self.neighbors is not None or self.lookahead is not None:
+                if self.budget is not None:
+                    raise BadUsage("--budget needs an eviction press (--press P); without one every token is kept")
+                if self.window is not None:
+                    raise BadUsage("--window needs an eviction press (--press P); it sizes the decode slots "
+                                   "between compactions")
         if self.neighbors is not None and self.neighbors < 0:
             raise BadUsage(f"--neighbors {self.neighbors} must be >= 0 (0: kvpress's scoring)")
         if self.lookahead is not None and self.lookahead < 0:
@@ -347,6 +351,13 @@ class ConvertConfig:
             self.press = DEFAULT_PRESS
             self.neighbors, self.lookahead = DEFAULT_NEIGHBORS, DEFAULT_LOOKAHEAD
             if self.kv_dtype is None:
+                self.kv_dtype = DEFAULT_KV_DTYPE
+        elif self.press is None and (self.budget is not None or self.window is not None):
+            # a size without a press: the default press and its refinements at that size (the int8 cache too,
+            # unless MLA or --kv-dtype was asked for)
+            self.press = DEFAULT_PRESS
+            self.neighbors, self.lookahead = DEFAULT_NEIGHBORS, DEFAULT_LOOKAHEAD
+            if self.kv_dtype is None and not self.uses_mla:
                 self.kv_dtype = DEFAULT_KV_DTYPE
         if self.uses_press:
             self.budget = DEFAULT_BUDGET if self.budget is None else self.budget

@@ -14,9 +14,9 @@ from kvexport.errors import BadUsage
 
 REFUSALS = [
     (["--mla-rank", "16", "--mla-energy", "0.9"], "exclude each other"),
-    (["--budget", "64"], "--budget needs an eviction press"),
     (["--press", "none", "--budget", "64"], "--budget needs an eviction press"),
-    (["--window", "8"], "--window needs an eviction press"),
+    (["--press", "none", "--window", "8"], "--window needs an eviction press"),
+    (["--neighbors", "2", "--budget", "64"], "--neighbors refines an eviction press"),
     (["--rope-dim", "8"], "--rope-dim only applies to the MLA rewrite"),
     (["--mla-rank", "16", "--rope-dim", "7"], "positive even number"),
     (["--mla-energy", "1.5"], r"must be in \(0, 1\]"),
@@ -129,6 +129,13 @@ def test_showcase_defaults_and_explicit_choice():
     only_press = ConvertConfig(press="knorm").resolve()  # kvpress's KNorm as given: no refinements, model dtype
     assert (only_press.budget, only_press.window, only_press.mla_rank) == (2048, 32, None)
     assert (only_press.neighbors, only_press.lookahead, only_press.kv_dtype) == (0, 0, None)
+    # a size without a press: the default press, refinements and cache format at that size
+    sized = ConvertConfig(budget=512).resolve()
+    assert (sized.press, sized.budget, sized.window, sized.neighbors, sized.lookahead, sized.kv_dtype) == (
+        "snapkv", 512, 32, 3, 64, "int8")
+    assert ConvertConfig(window=8, kv_dtype="fp32").resolve().kv_dtype == "fp32"
+    with_mla = ConvertConfig(budget=256, mla_rank=32).resolve()  # MLA's latent cache keeps the model's dtype
+    assert (with_mla.press, with_mla.budget, with_mla.kv_dtype, with_mla.mla_rank) == ("snapkv", 256, None, 32)
 
 
 def test_default_budget_fits_the_model():
