@@ -142,9 +142,72 @@ def rewrite_cmd(
                     f"cache {rep.to_dict()['per_token_ratio']:.2f}x smaller per token")
 
 
+def _export_settings(model: str):
+    """The manifest settings of an export or a conversion's export (``DIR/onnx``), else None."""
+    from kvexport.layout import export_dir_of, read_manifest
+    from kvexport.manifest import ONNX_EXPORT
+
+    p = Path(model)
+    if not p.is_dir():
+        return None
+    m = read_manifest(export_dir_of(p))
+    if m is None or m.get("kind") != ONNX_EXPORT or not isinstance(m.get("settings"), dict):
+        return None
+    return m["settings"]
+
+
+def _inspect_export(model: str, settings: dict, context: int, as_json: bool) -> None:
+    """An export's cache at ``context`` tokens, from its manifest, by the accounting the runtimes are held to
+    (:meth:`kvexport.cache.memory.CacheShape.from_export`), against the same model's full cache in the same
+    element type."""
+    from kvexport.cache.memory import CacheShape, full_cache_of
+    from kvexport.errors import BadUsage
+
+    if context < 1:
+        raise BadUsage(f"--context {context} must be >= 1 token")
+    shape = CacheShape.from_export(settings)
+    base = full_cache_of(shape)
+    in_place = bool(settings.get("inplace_decode"))
+    this = shape.resident_bytes_at(context, in_place=in_place)
+    orig = base.resident_bytes_at(context)
+    mla = settings.get("mla")
+    press = settings.get("press")
+    d = {"export": str(model), "family": settings["spec"].get("family"), "num_layers": shape.num_layers,
+         "press": press.get("name") if isinstance(press, dict) else press, "budgets": settings.get("budgets"), "window": settings.get("window"),
+         "kv_dtype": shape.kv_format.name, "mla_ranks": list(mla["kv_ranks"]) if mla else None,
+         "rope_dim": int(mla["rope_dim"]) if mla else 0, "context": int(context),
+         "bytes_per_token": shape.bytes_per_token(), "original_bytes_per_token": base.bytes_per_token(),
+         "tokens_held": shape.slots(context), "bytes_per_sequence": this["kv"] + this["scales"],
+         "original_bytes_per_sequence": orig["kv"], "resident_bytes": this,
+         "original_resident_bytes": orig["total"]}
+    d["ratio"] = d["original_bytes_per_sequence"] / d["bytes_per_sequence"]
+    d["resident_ratio"] = orig["total"] / this["total"]
+    if as_json:
+        typer.echo(json.dumps(d, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    what = f"{d['press'] or 'full cache'}" + (f", budget {max(d['budgets'])} + window {d['window']}"
+                                             if d["budgets"] else "") + f", {d['kv_dtype']}"
+    if mla:
+        what += f", MLA r_kv {min(d['mla_ranks'])}-{max(d['mla_ranks'])} + d_rope {d['rope_dim']}"
+    t = Table(title=f"KV cache of the export {model} ({what})")
+    t.add_column("")
+    t.add_column("original (full cache)", justify="right")
+    t.add_column("this export", justify="right")
+    t.add_row("bytes / token (all layers)", f"{d['original_bytes_per_token']:,}", f"{d['bytes_per_token']:,}")
+    t.add_row(f"tokens held at context {context}", f"{context:,}", f"{d['tokens_held']:,}")
+    t.add_row("cache bytes / sequence", f"{d['original_bytes_per_sequence']:,}", f"{d['bytes_per_sequence']:,}")
+    t.add_row("resident bytes / sequence", f"{d['original_resident_bytes']:,}", f"{this['total']:,}")
+    t.add_row("ratio", "1.00x", f"{d['ratio']:.2f}x (resident {d['resident_ratio']:.2f}x)")
+    Console().print(t)
+
+
 @app.command("inspect")
 def inspect_cmd(
-    model: str = typer.Argument(..., help="HF model directory, .gguf file or kvexport MLA directory."),
+    model: str = typer.Argument(..., help="HF model directory, .gguf file, kvexport MLA directory, or an export / "
+                                          "conversion (its cache as exported, from its manifest)."),
     mla_rank: Optional[int] = typer.Option(None, "--mla-rank", help=RANK_HELP + " Accounting from the config alone."),
     mla_energy: Optional[float] = typer.Option(None, "--mla-energy", help=ENERGY_HELP + " Loads the weights."),
     rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help=ROPE_HELP + " Default 32 with an MLA rank."),
@@ -159,6 +222,17 @@ def inspect_cmd(
     from kvexport.errors import BadUsage
     from kvexport.mla.accounting import cache_report
 
+    export = _export_settings(model)
+    if export is not None:
+        given = [f for f, v in (("--mla-rank", mla_rank), ("--mla-energy", mla_energy), ("--rope-dim", rope_dim),
+                                ("--budget", budget), ("--dtype", cache_dtype)) if v is not None]
+        if window != DEFAULT_WINDOW:
+            given.append("--window")
+        if given:
+            raise BadUsage(f"{model} is an export: its cache is fixed by its graphs; drop {', '.join(given)} "
+                           "(they size the cache of an HF or MLA model)")
+        _inspect_export(model, export, context, as_json)
+        return
     model = resolve_model(model)
     spec, mla_cfg, dtype = _spec_of(model)
     mla_info = None
