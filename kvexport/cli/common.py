@@ -32,7 +32,7 @@ def encode_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.T
     for p in prompts:
         if not p.strip():
             raise BadUsage("the prompt is empty; give some text")
-        ids = tokenizer(p, add_special_tokens=True)["input_ids"]
+        ids = tokenizer(p, add_special_tokens=True, verbose=False)["input_ids"]  # no warning past model_max_length
         if not ids:
             raise BadUsage(f"the prompt {p[:30]!r} encodes to no tokens")
         seqs.append(ids)

@@ -78,10 +78,6 @@ class GrowingPast(Driver):
 
     # ------------------------------------------------------------------ the step protocol
     def start(self, mask: np.ndarray, new_tokens: int | None) -> None:
-        n = int(mask.sum(-1).max())
-        limit = int(self.settings.get("max_positions") or 0)
-        if limit and n > limit:
-            raise BadUsage(f"prompt of {n} tokens exceeds the export's maximum {limit} (max_positions)")
         self._empty()
         N = mask.shape[1]
         reserve = None if new_tokens is None else N + int(new_tokens) - 1

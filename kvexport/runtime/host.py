@@ -297,10 +297,6 @@ class GraphHost(Driver):
     # ------------------------------------------------------------------ steps on rows
     def _start(self, rows: Rows, mask: np.ndarray, new_tokens: int | None) -> None:
         N = mask.shape[1]
-        limit = int(self.settings.get("max_positions") or 0)
-        n = int(mask.sum(-1).max())
-        if limit and n > limit:
-            raise BadUsage(f"prompt of {n} tokens exceeds the export's maximum {limit} (max_positions)")
         self._reset(rows)
         self.plan.check_fits(N)
         # a full cache holds the prompt's bucket at once; an evicting one read in buckets grows chunk by chunk

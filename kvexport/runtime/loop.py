@@ -76,6 +76,10 @@ class Stream:
         ids, mask = check_prompt(input_ids, attention_mask)
         if ids.shape[0] != driver.batch:
             raise BadUsage(f"this export takes batches of {driver.batch} prompt(s), got {ids.shape[0]}")
+        limit = getattr(driver, "max_positions", None)  # the positions a prompt may take, on every runtime
+        n = int(mask.sum(-1).max())
+        if limit and n > limit:
+            raise BadUsage(f"prompt of {n} tokens exceeds " + driver.limit_text.format(limit=limit))
         self.driver = driver
         self.on_compaction = on_compaction
         self.positions = positions_from_mask(mask)  # rule 1

@@ -30,6 +30,10 @@ class StepDriver(Protocol):
     own kind (torch tensors for PyTorch, NumPy arrays for the graph runtimes)."""
 
     batch: int  # rows of a step
+    #: the positions a prompt may take (an export's ``max_positions``, the model's position range), None: no bound;
+    #: the loop refuses a longer prompt with "prompt of N tokens exceeds " + ``limit_text.format(limit=...)``
+    max_positions: int | None
+    limit_text: str
 
     @property
     def plan(self) -> CachePlan:
@@ -66,7 +70,15 @@ class StepDriver(Protocol):
 
 
 class Driver:
-    """What every driver shares: a context manager that closes it (``with driver: ...``), and :meth:`generate`."""
+    """What every driver shares: a context manager that closes it (``with driver: ...``), :meth:`generate`, and the
+    prompt's bound (:attr:`max_positions`, an export's ``max_positions`` here; the loop applies it)."""
+
+    limit_text = "the export's maximum {limit} (max_positions)"
+
+    @property
+    def max_positions(self) -> int | None:
+        settings = getattr(self, "settings", None) or {}
+        return int(settings.get("max_positions") or 0) or None
 
     def __enter__(self):
         return self

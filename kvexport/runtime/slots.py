@@ -149,6 +149,10 @@ class SlotDriver(Driver):
     def plan(self) -> CachePlan:
         return self.host.plan
 
+    @property
+    def max_positions(self) -> int | None:
+        return self.host.max_positions
+
     def start(self, mask, new_tokens):
         self.host._start(self.rows, mask, new_tokens)
 

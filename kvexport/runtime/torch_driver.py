@@ -46,6 +46,13 @@ class TorchDriver(Driver):
         self.cache = None
         self.device = next(decoder.parameters()).device
 
+    limit_text = "the model's {limit} positions (max_position_embeddings)"
+
+    @property
+    def max_positions(self) -> int | None:
+        """The model's position range: a longer prompt is refused, as an export of it refuses it."""
+        return int(self.decoder.spec.max_position_embeddings) or None
+
     @property
     def plan(self) -> CachePlan:
         if self.cache is None:

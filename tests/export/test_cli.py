@@ -180,6 +180,29 @@ def test_press_export_refuses_a_prompt_past_max_positions(exported):
         Stream(gen, ids).prefill()
 
 
+def test_every_runtime_refuses_a_prompt_past_the_position_range(exported, model_dir):
+    """The PyTorch library path holds a prompt to the model's position range as the export does (one rule, in the
+    loop): 256 tokens run on both, 257 are refused by both, before any work."""
+    from kvexport.errors import BadUsage
+    from kvexport.export import OrtGenerator
+    from kvexport.export.source import press_from_dict
+    from kvexport.generation import generate
+    from kvexport.mla.io import load_decoder
+
+    gen = OrtGenerator(exported)
+    s = gen.settings
+    dec, _ = load_decoder(model_dir)
+    press = press_from_dict(s["press"])
+    rng = np.random.default_rng(1)
+    ok, long = rng.integers(3, 4096, (1, 256)), rng.integers(3, 4096, (1, 257))
+    lib = generate(dec, torch.from_numpy(ok), press=press, window=s["window"], chunk=s["chunk"], max_new_tokens=3)
+    np.testing.assert_array_equal(gen.generate(ok, None, 3).tokens, lib.tokens.numpy())
+    with pytest.raises(BadUsage, match="prompt of 257 tokens exceeds the model's 256 positions"):
+        generate(dec, torch.from_numpy(long), press=press, window=s["window"], chunk=s["chunk"], max_new_tokens=3)
+    with pytest.raises(BadUsage, match="prompt of 257 tokens exceeds the export's maximum 256"):
+        gen.generate(long, None, 3)
+
+
 def test_step_api_matches_generate(exported):
     """A stream stepped by hand (prefill, then decode) == generate (tokens, logits, compaction count and kept
     positions)."""
