@@ -191,7 +191,8 @@ def _inspect_export(model: str, settings: dict, context: int, as_json: bool) -> 
     what = f"{d['press'] or 'full cache'}" + (f", budget {max(d['budgets'])} + window {d['window']}"
                                              if d["budgets"] else "") + f", {d['kv_dtype']}"
     if mla:
-        what += f", MLA r_kv {min(d['mla_ranks'])}-{max(d['mla_ranks'])} + d_rope {d['rope_dim']}"
+        lo, hi = min(d["mla_ranks"]), max(d["mla_ranks"])
+        what += f", MLA r_kv {lo if lo == hi else f'{lo}-{hi}'} + d_rope {d['rope_dim']}"
     t = Table(title=f"KV cache of the export {model} ({what})")
     t.add_column("")
     t.add_column("original (full cache)", justify="right")
