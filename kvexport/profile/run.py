@@ -61,11 +61,13 @@ def settings_from_manifest(man: dict[str, Any]) -> dict[str, Any]:
 
 
 def model_spec(model_path: str | Path):
-    """ModelSpec of an HF model directory or an MLA directory, from its config only."""
+    """ModelSpec of an HF model directory, a ``.gguf`` file (its HF directory, :func:`kvexport.models.gguf.model_dir`)
+    or an MLA directory, from its config only."""
     from kvexport.mla.io import is_mla_dir, read_mla_config
+    from kvexport.models.gguf import model_dir
     from kvexport.models.spec import ModelSpec
 
-    p = Path(model_path)
+    p = Path(model_dir(model_path))
     if is_mla_dir(p):
         return ModelSpec(**read_mla_config(p)["spec"])
     from transformers import AutoConfig
@@ -112,12 +114,14 @@ def cache_shape_of(d: Path, settings: dict[str, Any], spec) -> CacheShape:
 def _pytorch_runners(d: Path, settings: dict[str, Any], shape: CacheShape, with_baseline: bool):
     """-> {variant: () -> runner}: each model is loaded only when its variant is profiled."""
     from kvexport.mla.io import is_mla_dir, load_decoder, load_mla
+    from kvexport.models.gguf import model_dir
     from kvexport.presses import make_press
     from kvexport.runtime.torch_driver import TorchDriver
 
     model = settings.get("model")
     if not model:
         raise BadArtifact(f"{d}: the settings do not name the source model")
+    model = str(model_dir(model))  # a .gguf source: the HF directory kvexport made of it (its weight files)
     dtype = "fp16" if settings.get("fp16") else "fp32"
     chunk = int(settings.get("chunk") or 512)
     press = None

@@ -146,3 +146,18 @@ def test_generate_from_a_qwen3_gguf_equals_the_library_path(tmp_path, monkeypatc
     ids = torch.tensor([tok(prompt)["input_ids"]])
     res = generate(dec, ids, press=build_press("knorm", budget=16, ratio=None), window=4, chunk=8, max_new_tokens=8)
     assert line.endswith(" -> " + repr(tok.decode(res.tokens[0].tolist())))
+
+
+def test_convert_from_a_gguf_profiles_it(tmp_path, monkeypatch):
+    """The profile stage (and ``kvexport profile`` on the PyTorch backend) reads the model a conversion was made from
+    through its GGUF file: convert.json names the .gguf, not a directory with a config.json."""
+    monkeypatch.setenv("KVEXPORT_CACHE", str(tmp_path / "cache"))
+    _, _, path = write_gguf("qwen2", tmp_path)
+    out = tmp_path / "conv"
+    fast = ["--contexts", "64", "--decode-steps", "2", "--repeats", "1"]
+    assert main(["convert", str(path), "--out", str(out), "--no-validate", "--decode-batch", "0", *fast]) == 0
+    assert json.loads((out / "convert.json").read_text())["settings"]["model"] == str(path)
+    prof = json.loads((out / "profile-onnxruntime.json").read_text())
+    assert prof["backend"] == "onnxruntime"
+    assert main(["profile", str(out), "--backend", "pytorch", *fast]) == 0
+    assert json.loads((out / "profile-pytorch.json").read_text())["backend"] == "pytorch"
