@@ -27,8 +27,8 @@ axis (axis 2 of every cache tensor) as one dynamic dimension ``capacity`` (manif
 runtime can hold it in buckets (plan rule 7). Static budgets keep fixed shapes, except in the graphs that read the
 cache without compacting it (prefill, prefill_last, decode, decode_batch) when every layer has the same budget
 (manifest ``read_buckets``): a call is handed only the bucket of the occupied slots (plan rule 7b), so a prompt's
-first chunks and the decode steps of a short sequence do not read the empty capacity. With a press, the graph of a
-prompt's last chunk (``prefill_last``, or ``prefill`` without a lookahead; manifest ``ragged_last``) also takes its
+first chunks and the decode steps of a short sequence do not read the empty capacity. With a press or without, the
+graph of a prompt's last chunk (``prefill_last``, or ``prefill`` without a lookahead; manifest ``ragged_last``) also takes its
 column axis as a dynamic dimension in [2, C]: a last chunk that does not compact is fed without its padding columns
 (plan rule 2b), so a 256-token prompt costs 256 columns, not C.
 
@@ -185,8 +185,9 @@ def export_model(model, out_dir, *, press=None, budget: int | None = None, ratio
     # in-place decode graph keep fixed shapes)
     read_buckets = (p is not None and not dynamic_cache and len(set(budgets)) == 1
                     and budgets[0] + window_eff >= 2 * MIN_BUCKET)
-    # an evicting cache's last prompt chunk is fed at its real width when it does not compact (plan rule 2b)
-    ragged_last = p is not None and not dynamic_cache and chunk >= 2
+    # a prompt's last chunk is fed at its real width when it does not compact (plan rule 2b): an evicting cache's,
+    # and a full cache's, whose chunks never compact (a short prompt costs its own columns, not the chunk's)
+    ragged_last = not dynamic_cache and chunk >= 2
     td = DTYPES[dtype]
     custom = opsel == "custom"
     settings: dict[str, Any] = {

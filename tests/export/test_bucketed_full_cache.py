@@ -123,7 +123,8 @@ def test_capacity_axis_symbolic_for_full_caches_static_for_presses(exports, pres
         for i in range(2):
             assert dims[f"k_{i}"][2] == dims[f"v_{i}"][2] == dims[f"pos_{i}"][2] == "capacity"
             assert all(isinstance(d, int) for k in (f"k_{i}", f"pos_{i}") for d in dims[k][:2])
-        assert dims["input_ids"] == [1, 64 if graph == "prefill" else 1]
+        # a prompt's last chunk runs at its real width (plan rule 2b): the prefill's column axis is dynamic too
+        assert dims["input_ids"] == [1, "columns" if graph == "prefill" else 1]
     _, mla = exports("llama-mla")
     assert _dims(mla, "decode")["k_0"] == [1, 1, "capacity", 20]
     press = press_export
@@ -188,14 +189,53 @@ def test_resident_bytes_are_the_buckets(exports):
         assert gen.kept_positions()[0].shape == (1, H, slots)
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3-mla"])
+def test_a_short_last_chunk_runs_at_its_real_width(exports, name):
+    """Plan rule 2b on a full cache (whose chunks never compact): a prompt's last chunk with at least 2 real columns
+    is fed without its padding, so a short prompt costs its own columns, not the chunk's; one real column keeps the
+    chunk's width. Tokens and logits against the PyTorch library path."""
+    from kvexport.export import OrtGenerator
+    from kvexport.export.reference import load_reference_model, reference_generate
+
+    hf, out = exports(name)
+    gen = OrtGenerator(out)
+    s = gen.settings
+    assert s["ragged_last"] == "prefill"
+    widths = []
+    call = gen.graphs.call
+
+    def recording(graph, feeds, *args, **kw):
+        if graph.startswith("prefill"):
+            widths.append(feeds["input_ids"].shape[1])
+        return call(graph, feeds, *args, **kw)
+
+    gen.graphs.call = recording
+    dec = load_reference_model({"settings": s}, hf)
+    for n, want in {1: [64], 2: [2], 40: [40], 64: [64], 65: [64, 64], 130: [64, 64, 2], 300: [64] * 4 + [44]}.items():
+        widths.clear()
+        ids = _prompt(n, seed=n)
+        res = gen.generate(ids, None, 6, keep_logits=True)
+        assert widths == want, n
+        ref = reference_generate(dec, s, None, ids, np.ones_like(ids), 6)
+        np.testing.assert_array_equal(res.tokens, ref.tokens.numpy())
+        np.testing.assert_allclose(res.prompt_logits, ref.prompt_logits.numpy(), atol=1e-4, rtol=0)
+
+
 def test_tensorrt_profile_spans_the_buckets(exports, press_export):
     """Without TensorRT: the engine builder's optimization profile for the capacity axis (recorded by stand-ins)."""
     from kvexport.errors import BadArtifact
-    from kvexport.tensorrt.engine import capacity_profile, capacity_range
+    from kvexport.tensorrt.engine import capacity_profile, capacity_range, column_range
     from tests.tensorrt.profile_stand_ins import Builder, Config
 
     _, full = exports("llama")
     assert capacity_range(full / "decode.onnx") == (MIN_BUCKET, CAPACITY)
+    assert column_range(full / "prefill.onnx") == (2, 64) and column_range(full / "decode.onnx") is None
+    both = Config()  # the prefill: its columns (rule 2b) and its buckets (rule 7) in one profile
+    capacity_profile(Builder(), both, full / "prefill.onnx",
+                     {"input_ids": (1, -1), "positions": (1, -1), "k_0": (1, 2, -1, 16)})
+    got = both.profiles[0].shapes
+    assert got["input_ids"] == got["positions"] == ((1, 2), (1, 64), (1, 64))
+    assert got["k_0"] == ((1, 2, MIN_BUCKET, 16), (1, 2, CAPACITY, 16), (1, 2, CAPACITY, 16))
 
     config = Config()
     capacity_profile(Builder(), config, full / "decode.onnx", {"k_0": (1, 2, -1, 16)})
