@@ -10,7 +10,7 @@ combinations and int8 caches, each measured against the original (:mod:`kvexport
 Tiers (each its own JSON-lines file, ``sweep_<tier>.jsonl``):
     core    every press at budgets 256 / 512 / 1024 / 2048, chunk 512 (convert's export), kvpress's scoring and
             kvexport's lookahead / neighbours; text at 4k, passkey at 1.5k and 4k
-    single  the prompt in one piece, budgets 512 / 1024 (probes up to 4k)
+    single  the prompt in one piece, every press at budgets 256 / 512 / 1024 / 2048 (probes up to 4k)
     mla     MLA rewrites with a full cache, and with the best press
     int8    int8 caches, alone and under the best presses
     long    the best settings at 8k tokens (text and probes)
@@ -60,8 +60,15 @@ def tier_settings(tier: str) -> tuple[list[Setting], SweepSpec]:
         out += [Setting("knorm", b, press_kw=NEIGHBORS) for b in (256, 2048)]
         return out, core_spec
     if tier == "single":
-        return [Setting(p, 1024, chunk=None) for p in ("snapkv", "expected_attention", "knorm", "streaming_llm")] + [
-            Setting("snapkv", 1024, chunk=None, press_kw=NEIGHBORS)], core_spec
+        out = [Setting(p, 1024, chunk=None) for p in ("snapkv", "expected_attention", "knorm", "streaming_llm")]
+        out += [Setting("snapkv", 1024, chunk=None, press_kw=NEIGHBORS)]
+        # then every press at every budget in one piece (the chunked rows' counterparts), the presses of the
+        # chunked table's top rows first, so that a run cut short has compared those
+        first = ("snapkv", "expected_attention", "knorm", "streaming_llm", "tova")
+        rest = tuple(p for p in PRESSES if p not in first)
+        out += [Setting(p, b, chunk=None) for b in (512, 2048, 256) for p in first]
+        out += [Setting(p, b, chunk=None) for b in (1024, 512, 2048, 256) for p in rest + ("tova",) * (b == 1024)]
+        return out, core_spec
     if tier == "mla":
         out = [Setting(mla=r) for r in (2.0, 1.5, 1.0, 3.6)]
         out += [Setting("snapkv", 2048, mla=1.5, press_kw=NEIGHBORS, generate_kw=LOOKAHEAD)]
