@@ -114,36 +114,36 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(summary: dict, path: Path) -> None:
-    import matplotlib
+#: the variants the main figure draws: each press as kvpress scores it (chunk 512, as convert exports it), the default's
+#: press and the default itself (bold), and the full caches (int8, MLA); the refinements and the one-piece prefills
+#: are in the tables and in the second figure
+DEFAULT_VARIANTS = ("snapkv+lookahead+neighbors", "snapkv+lookahead+neighbors int8")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def _main_variant(name: str) -> bool:
+    if "(single-shot)" in name:
+        return False
+    return "+" not in name or name in DEFAULT_VARIANTS
+
+
+def _panels(plt, rows: dict, full: int | None, title: str, path: Path, style) -> None:
+    """Agreement and passkey against resident bytes, one line per variant; ``style(name)`` -> plot kwargs."""
     import matplotlib.ticker
 
-    lines = defaultdict(list)
-    for r in summary["rows"]:
-        if r["bytes_8k"] is None or r["context"] != 4096:
-            continue
-        lines[r["variant"]].append(r)
-    fig, axes = plt.subplots(1, 2, figsize=(13, 7.5))
-    names = sorted(lines)
-    # one look per variant, the same on both panels: 20 colours, then the markers tell the rest apart
-    looks = {n: (plt.get_cmap("tab20")(i % 20), "osD^v"[(i // 20) % 5]) for i, n in enumerate(names)}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 7))
     for ax, key, label in ((axes[0], "agreement", "next-token agreement with the original at 4k"),
                            (axes[1], "passkey", "passkey accuracy (1.5k and 4k)")):
-        for name in names:
-            rs = sorted(lines[name], key=lambda x: x["bytes_8k"])
+        for name in sorted(rows):
+            rs = sorted(rows[name], key=lambda x: x["bytes_8k"])
             xs = [x["bytes_8k"] / 1e6 for x in rs if x[key] is not None]
             ys = [x[key] for x in rs if x[key] is not None]
-            if not xs:
-                continue
-            color, marker = looks[name]
-            ax.plot(xs, ys, "-" if len(xs) > 1 else "", marker=marker, color=color, label=name,
-                    lw=2 if ("lookahead" in name) else 1, ms=5)
-        if summary["full_cache_bytes_8k"]:
-            ax.axvline(summary["full_cache_bytes_8k"] / 1e6, color="k", ls=":", lw=1)
-            ax.axvline(summary["full_cache_bytes_8k"] / 4e6, color="r", ls=":", lw=1)
+            if xs:
+                kw = style(name)
+                ls = kw.pop("ls")
+                ax.plot(xs, ys, ls if len(xs) > 1 else "", label=name, **kw)
+        if full:
+            ax.axvline(full / 1e6, color="k", ls=":", lw=1)
+            ax.axvline(full / 4e6, color="r", ls=":", lw=1)
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("resident cache per sequence at 8k tokens, MB\n(black dotted: the full cache; red: 4x smaller)")
@@ -151,10 +151,49 @@ def plot(summary: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=4, frameon=False)
-    fig.subplots_adjust(bottom=0.33, top=0.92, wspace=0.2)
-    fig.suptitle("SmolLM2-135M-Instruct: what each cache keeps of the original, against the bytes it holds")
+    fig.subplots_adjust(bottom=0.27, top=0.92, wspace=0.2)
+    fig.suptitle(title)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot(summary: dict, path: Path) -> None:
+    """``path``: each press (chunk 512), the default and the full caches; beside it ``one_piece_vs_chunked.png``: each
+    press chunked (solid) and in one piece (dashed), in one colour per press."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = defaultdict(list)
+    for r in summary["rows"]:
+        if r["bytes_8k"] is None or r["context"] != 4096:
+            continue
+        lines[r["variant"]].append(r)
+    full = summary["full_cache_bytes_8k"]
+    main = {n: v for n, v in lines.items() if _main_variant(n)}
+    names = sorted(main)
+    looks = {n: (plt.get_cmap("tab20")(i % 20), "osD^v"[(i // 20) % 5]) for i, n in enumerate(names)}
+
+    def main_style(name):
+        color, marker = looks[name]
+        bold = name in DEFAULT_VARIANTS
+        return {"ls": "-", "color": "black" if name == DEFAULT_VARIANTS[1] else color, "marker": marker,
+                "lw": 3 if bold else 1.2, "ms": 6 if bold else 4}
+
+    _panels(plt, main, full, "SmolLM2-135M-Instruct: what each press keeps of the original, against the bytes it "
+            "holds (chunk 512; bold: the default's press, black: the default)", path, main_style)
+    presses = sorted({n.removesuffix(" (single-shot)") for n in lines if n.endswith("(single-shot)") and "+" not in n})
+    pair = {n: v for n, v in lines.items() if n.removesuffix(" (single-shot)") in presses}
+    colors = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(presses)}
+
+    def pair_style(name):
+        single = name.endswith("(single-shot)")
+        return {"ls": "--" if single else "-", "color": colors[name.removesuffix(" (single-shot)")],
+                "marker": "o" if single else "s", "lw": 1.5, "ms": 4}
+
+    _panels(plt, pair, full, "SmolLM2-135M-Instruct: each press chunked (solid, chunk 512) and with the prompt in one "
+            "piece (dashed)", path.with_name("one_piece_vs_chunked.png"), pair_style)
 
 
 __all__ = ["summarize", "load", "bytes_at"]
