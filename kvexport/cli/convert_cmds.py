@@ -22,7 +22,8 @@ def convert_cmd(
     rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help="MLA decoupled RoPE key width d_rope (even)."),
     press: Optional[str] = typer.Option(None, "--press", help="Eviction press (snapkv, knorm, tova, ...; 'none' "
                                         "keeps every token)."),
-    budget: Optional[int] = typer.Option(None, "--budget", help="Tokens kept per layer after each compaction (without --press: the default press at this budget)."),
+    budget: Optional[int] = typer.Option(None, "--budget", help="Tokens kept per layer after each compaction "
+                                         "(without --press: the default press at this budget)."),
     window: Optional[int] = typer.Option(None, "--window", help="Decode slots between compactions."),
     neighbors: Optional[int] = typer.Option(None, "--neighbors", help="A kept token keeps this many neighbours on "
                                             "each side (0: the press's own ranking; default 3 with no compression "

@@ -172,8 +172,12 @@ def _inspect_export(model: str, settings: dict, context: int, as_json: bool) -> 
     orig = base.resident_bytes_at(context)
     mla = settings.get("mla")
     press = settings.get("press")
-    d = {"export": str(model), "family": settings["spec"].get("family"), "num_layers": shape.num_layers,
-         "press": press.get("name") if isinstance(press, dict) else press, "budgets": settings.get("budgets"), "window": settings.get("window"),
+    from kvexport.models.spec import SUPPORTED_FAMILIES
+
+    model_type = settings["spec"].get("model_type")
+    d = {"export": str(model), "family": SUPPORTED_FAMILIES.get(model_type, model_type), "num_layers": shape.num_layers,
+         "press": press.get("name") if isinstance(press, dict) else press, "budgets": settings.get("budgets"),
+         "window": settings.get("window"),
          "kv_dtype": shape.kv_format.name, "mla_ranks": list(mla["kv_ranks"]) if mla else None,
          "rope_dim": int(mla["rope_dim"]) if mla else 0, "context": int(context),
          "bytes_per_token": shape.bytes_per_token(), "original_bytes_per_token": base.bytes_per_token(),

@@ -28,9 +28,9 @@ runtime can hold it in buckets (plan rule 7). Static budgets keep fixed shapes, 
 cache without compacting it (prefill, prefill_last, decode, decode_batch) when every layer has the same budget
 (manifest ``read_buckets``): a call is handed only the bucket of the occupied slots (plan rule 7b), so a prompt's
 first chunks and the decode steps of a short sequence do not read the empty capacity. With a press or without, the
-graph of a prompt's last chunk (``prefill_last``, or ``prefill`` without a lookahead; manifest ``ragged_last``) also takes its
-column axis as a dynamic dimension in [2, C]: a last chunk that does not compact is fed without its padding columns
-(plan rule 2b), so a 256-token prompt costs 256 columns, not C.
+graph of a prompt's last chunk (``prefill_last``, or ``prefill`` without a lookahead; manifest ``ragged_last``) also
+takes its column axis as a dynamic dimension in [2, C]: a last chunk that does not compact (a full cache's never
+does) is fed without its padding columns (plan rule 2b), so a 256-token prompt costs 256 columns, not C.
 
 ``--dynamic-cache`` writes ``model.onnx`` instead: full cache with a growing past (the Optimum baseline).
 """
