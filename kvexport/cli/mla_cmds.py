@@ -189,23 +189,30 @@ def _inspect_export(model: str, settings: dict, context: int, as_json: bool) -> 
     if as_json:
         typer.echo(json.dumps(d, indent=2))
         return
-    from rich.console import Console
-    from rich.table import Table
-
     what = f"{d['press'] or 'full cache'}" + (f", budget {max(d['budgets'])} + window {d['window']}"
                                              if d["budgets"] else "") + f", {d['kv_dtype']}"
     if mla:
         lo, hi = min(d["mla_ranks"]), max(d["mla_ranks"])
         what += f", MLA r_kv {lo if lo == hi else f'{lo}-{hi}'} + d_rope {d['rope_dim']}"
-    t = Table(title=f"KV cache of the export {model} ({what})")
+    _print_cache_table(f"KV cache of the export {model} ({what})", ("original (full cache)", "this export"), [
+        ("bytes / token (all layers)", f"{d['original_bytes_per_token']:,}", f"{d['bytes_per_token']:,}"),
+        (f"tokens held at context {context}", f"{context:,}", f"{d['tokens_held']:,}"),
+        ("cache bytes / sequence", f"{d['original_bytes_per_sequence']:,}", f"{d['bytes_per_sequence']:,}"),
+        ("resident bytes / sequence", f"{d['original_resident_bytes']:,}", f"{this['total']:,}"),
+        ("ratio", "1.00x", f"{d['ratio']:.2f}x (resident {d['resident_ratio']:.2f}x)")])
+
+
+def _print_cache_table(title: str, columns: tuple[str, str], rows: list[tuple[str, str, str]]) -> None:
+    """inspect's table: a label, the original's value and this cache's, per row."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
     t.add_column("")
-    t.add_column("original (full cache)", justify="right")
-    t.add_column("this export", justify="right")
-    t.add_row("bytes / token (all layers)", f"{d['original_bytes_per_token']:,}", f"{d['bytes_per_token']:,}")
-    t.add_row(f"tokens held at context {context}", f"{context:,}", f"{d['tokens_held']:,}")
-    t.add_row("cache bytes / sequence", f"{d['original_bytes_per_sequence']:,}", f"{d['bytes_per_sequence']:,}")
-    t.add_row("resident bytes / sequence", f"{d['original_resident_bytes']:,}", f"{this['total']:,}")
-    t.add_row("ratio", "1.00x", f"{d['ratio']:.2f}x (resident {d['resident_ratio']:.2f}x)")
+    for c in columns:
+        t.add_column(c, justify="right")
+    for r in rows:
+        t.add_row(*r)
     Console().print(t)
 
 
@@ -271,22 +278,16 @@ def inspect_cmd(
     if as_json:
         typer.echo(json.dumps(d, indent=2))
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title=f"KV cache of {model} ({spec.family}, {spec.num_layers} layers, {d['dtype']})")
-    t.add_column("")
-    t.add_column("original", justify="right")
-    t.add_column("this", justify="right")
-    t.add_row("elements / token / layer", str(d["original_elements_per_token_layer"]),
-              str(d["elements_per_token_layer"][0]) if len(set(d["elements_per_token_layer"])) == 1
-              else f"{min(d['elements_per_token_layer'])}-{max(d['elements_per_token_layer'])}")
-    t.add_row("bytes / token (all layers)", f"{d['original_bytes_per_token']:,}", f"{d['bytes_per_token']:,}")
-    t.add_row(f"tokens held at context {context}", f"{context:,}", f"{d['tokens_held']:,}")
-    t.add_row("bytes / sequence", f"{d['original_bytes_per_sequence']:,}", f"{d['bytes_per_sequence']:,}")
-    t.add_row("resident bytes / sequence", f"{d['original_resident_bytes']:,}", f"{d['resident_bytes']:,}")
-    t.add_row("ratio", "1.00x", f"{d['ratio']:.2f}x (per token {d['per_token_ratio']:.2f}x)")
-    Console().print(t)
+    per_layer = d["elements_per_token_layer"]
+    _print_cache_table(f"KV cache of {model} ({spec.family}, {spec.num_layers} layers, {d['dtype']})",
+                       ("original", "this"), [
+        ("elements / token / layer", str(d["original_elements_per_token_layer"]),
+         str(per_layer[0]) if len(set(per_layer)) == 1 else f"{min(per_layer)}-{max(per_layer)}"),
+        ("bytes / token (all layers)", f"{d['original_bytes_per_token']:,}", f"{d['bytes_per_token']:,}"),
+        (f"tokens held at context {context}", f"{context:,}", f"{d['tokens_held']:,}"),
+        ("bytes / sequence", f"{d['original_bytes_per_sequence']:,}", f"{d['bytes_per_sequence']:,}"),
+        ("resident bytes / sequence", f"{d['original_resident_bytes']:,}", f"{d['resident_bytes']:,}"),
+        ("ratio", "1.00x", f"{d['ratio']:.2f}x (per token {d['per_token_ratio']:.2f}x)")])
 
 
 @app.command("distill")
