@@ -155,9 +155,10 @@ def test_convert_from_a_gguf_profiles_it(tmp_path, monkeypatch):
     _, _, path = write_gguf("qwen2", tmp_path)
     out = tmp_path / "conv"
     fast = ["--contexts", "64", "--decode-steps", "2", "--repeats", "1"]
-    assert main(["convert", str(path), "--out", str(out), "--no-validate", "--decode-batch", "0", *fast]) == 0
+    assert main(["convert", str(path), "--out", str(out), "--no-validate", "--no-baseline", "--decode-batch", "0",
+                 *fast]) == 0
     assert json.loads((out / "convert.json").read_text())["settings"]["model"] == str(path)
     prof = json.loads((out / "profile-onnxruntime.json").read_text())
     assert prof["backend"] == "onnxruntime"
-    assert main(["profile", str(out), "--backend", "pytorch", *fast]) == 0
+    assert main(["profile", str(out), "--backend", "pytorch", "--no-baseline", *fast]) == 0
     assert json.loads((out / "profile-pytorch.json").read_text())["backend"] == "pytorch"
