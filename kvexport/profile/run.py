@@ -61,13 +61,11 @@ def settings_from_manifest(man: dict[str, Any]) -> dict[str, Any]:
 
 
 def model_spec(model_path: str | Path):
-    """ModelSpec of an HF model directory, a ``.gguf`` file (its HF directory, :func:`kvexport.models.gguf.model_dir`)
-    or an MLA directory, from its config only."""
+    """ModelSpec of an HF model directory or an MLA directory, from its config only."""
     from kvexport.mla.io import is_mla_dir, read_mla_config
-    from kvexport.models.gguf import model_dir
     from kvexport.models.spec import ModelSpec
 
-    p = Path(model_dir(model_path))
+    p = Path(model_path)
     if is_mla_dir(p):
         return ModelSpec(**read_mla_config(p)["spec"])
     from transformers import AutoConfig
@@ -114,14 +112,12 @@ def cache_shape_of(d: Path, settings: dict[str, Any], spec) -> CacheShape:
 def _pytorch_runners(d: Path, settings: dict[str, Any], shape: CacheShape, with_baseline: bool):
     """-> {variant: () -> runner}: each model is loaded only when its variant is profiled."""
     from kvexport.mla.io import is_mla_dir, load_decoder, load_mla
-    from kvexport.models.gguf import model_dir
     from kvexport.presses import make_press
     from kvexport.runtime.torch_driver import TorchDriver
 
     model = settings.get("model")
     if not model:
         raise BadArtifact(f"{d}: the settings do not name the source model")
-    model = str(model_dir(model))  # a .gguf source: the HF directory kvexport made of it (its weight files)
     dtype = "fp16" if settings.get("fp16") else "fp32"
     chunk = int(settings.get("chunk") or 512)
     press = None
@@ -212,6 +208,10 @@ def profile_dir(d: str | Path, backend: str = "onnxruntime", contexts: list[int]
     if layout.is_conversion(d):
         layout.verify_conversion(d, (layout.profile_name(backend), *layout.REPORT_OUTPUTS))
     settings = dir_settings(d)
+    if settings.get("model"):  # a .gguf source: the HF directory kvexport made of it (its config and weight files)
+        from kvexport.models.gguf import model_dir
+
+        settings["model"] = str(model_dir(settings["model"]))
     contexts = sorted(set(contexts or settings.get("contexts") or [512, 2048, 8192]))
     mla_dir = d / layout.MLA_DIR
     if (mla_dir / "kvexport_mla.json").is_file():
