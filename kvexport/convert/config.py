@@ -337,7 +337,8 @@ class ConvertConfig:
             raise BadUsage("--eval-data/--min-agreement/--max-ppl-increase are checked by the validate stage; "
                            "drop --no-validate")
         if self.model is not None and not Path(self.model).exists():
-            raise BadUsage(f"model directory {self.model} does not exist")
+            what = "GGUF file" if str(self.model).lower().endswith(".gguf") else "model directory"
+            raise BadUsage(f"{what} {self.model} does not exist")
 
     def resolve(self) -> "ConvertConfig":
         """Check, then fill defaults: the showcase compression when none was asked for, else the

@@ -74,7 +74,9 @@ def test_refusals_that_need_the_model(tmp_path, capsys, tiny_hf_dir):
         assert rc == 2 and reason in err, (args, err)
         assert not out.exists()
     rc = main(["convert", str(tmp_path / "missing"), "--out", str(out)])
-    assert rc == 2 and "does not exist" in capsys.readouterr().err
+    assert rc == 2 and f"model directory {tmp_path / 'missing'} does not exist" in capsys.readouterr().err
+    rc = main(["convert", str(tmp_path / "missing.gguf"), "--out", str(out)])
+    assert rc == 2 and f"GGUF file {tmp_path / 'missing.gguf'} does not exist" in capsys.readouterr().err
     out.mkdir()
     (out / "keep.txt").write_text("x")
     rc = main(["convert", str(tiny_hf_dir), "--out", str(out)])
