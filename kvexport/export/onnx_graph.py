@@ -32,6 +32,11 @@ EXTERNAL_MIN_BYTES = 1024
 
 WEIGHT_ALIGN = 64  # byte alignment of each tensor in WEIGHTS_FILE
 
+#: Python arithmetic and comparisons on symbolic sizes that torch.export records (``C + 288`` slots, ``2 * C``
+#: rows, a shape assertion's ``==``): torchlib translates each (``operator_add`` ...)
+_SIZE_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg,
+                    operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge}
+
 
 def _finish_proto(model, custom: bool):
     """Attach (custom) or inline (standard) the kvexport functions, strip per-node metadata. The graph's weights
@@ -106,8 +111,9 @@ def _rewrite_to_registered(ep, registered: set) -> bool:
     each the op's own decomposition in torch (``torch._refs`` / ``torch._decomp``): ``to.dtype`` is
     ``_to_copy(dtype=)``, ``__and__`` is ``bitwise_and``, ``rsub.Scalar(x, c)`` (alpha 1) is ``add(neg(x), c)``.
     -> True when every op is then translatable (assertions aside, which torch.onnx removes), else False with the
-    graph unchanged. A graph with arithmetic on symbolic sizes is left to torch's pass: a growing past's
-    ``past + seq`` keys came out of the translation as ``past`` alone (a Reshape onnxruntime refused) without it."""
+    graph unchanged. Python arithmetic and comparisons on symbolic sizes (:data:`_SIZE_ARITHMETIC`: a dynamic
+    capacity's ``C + 288`` columns, a ragged chunk's ``2 * n`` rows) are translated as they are; any other symbolic
+    function (``pow``, ``sym_not``: the growing past's mask checks) leaves the graph to torch's pass."""
     aten = torch.ops.aten
     asserts = {aten._assert_scalar.default, aten._assert_tensor_metadata.default, aten._assert_async.default,
                aten._assert_async.msg, aten.sym_constrain_range_for_size.default}
@@ -120,8 +126,10 @@ def _rewrite_to_registered(ep, registered: set) -> bool:
             t = node.target
             if node.op != "call_function" or t is operator.getitem:
                 continue
-            if not isinstance(t, torch._ops.OpOverload):  # symbolic-size arithmetic (a growing past, a ragged
-                return False  # chunk): torch's pass re-derives those sizes, which the translation relies on
+            if not isinstance(t, torch._ops.OpOverload):
+                if t in _SIZE_ARITHMETIC:  # a size computed from symbolic sizes: translated as it is
+                    continue
+                return False  # other symbolic functions (``pow``, ``sym_not``: the growing past): torch's pass
             if t in registered:
                 continue
             if t in asserts:
@@ -154,8 +162,9 @@ def _decompose_only_what_is_not_translated():
     """torch.onnx decomposes every exported program through ``run_decompositions``: a second and third full trace of
     the graph (functionalization and metadata collection, then make_fx) that is 40 % of a graph's export time,
     for graphs in which nothing but ``.to(dtype)``, ``&`` and ``1 - x`` lacks a translation. The pass is replaced
-    by :func:`_rewrite_to_registered` when that covers every op of the graph and no size is computed from
-    symbolic sizes, and runs as before otherwise (any other op, size arithmetic, or another torch layout).
+    by :func:`_rewrite_to_registered` when that covers every op of the graph (sizes computed from symbolic sizes by
+    plain arithmetic included), and runs as before otherwise (any other op or symbolic function, or another torch
+    layout).
     Timings and the equality check: docs/export.md, "Export time"."""
     try:
         from torch.onnx._internal.exporter import _decomp, _fx_passes

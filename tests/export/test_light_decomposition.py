@@ -89,10 +89,71 @@ def test_rsub_with_alpha_other_than_one_is_not_rewritten(alpha):
         torch.testing.assert_close(ep.module()(x), 3.0 - x)
 
 
+class SizeArithmetic(torch.nn.Module):
+    """Sizes computed from two symbolic sizes (``past + seq`` slots, ``2 * n`` rows, a slice from the end), as the
+    graphs with a dynamic capacity or a ragged last chunk compute them."""
+
+    def forward(self, past, x):
+        n = past.shape[2] + x.shape[2]
+        k = torch.cat([past, x], dim=2)
+        rows = torch.arange(n * 2).reshape(2, n).to(torch.float32)
+        return k.reshape(k.shape[0], k.shape[1] * n, 4) * 2, rows[:, -x.shape[2]:].sum(-1)
+
+
+def test_arithmetic_on_symbolic_sizes_is_translated_without_torchs_pass(tmp_path, monkeypatch):
+    from torch.export import Dim
+    from torch.onnx._internal.exporter import _fx_passes
+
+    original, calls = _fx_passes.decompose_with_registry, []
+    monkeypatch.setattr(_fx_passes, "decompose_with_registry", lambda ep, reg: calls.append(1) or original(ep, reg))
+    module = SizeArithmetic().eval()
+    weights = onnx_graph.SharedWeights(tmp_path)
+    proto, used = onnx_graph._export_graph(module, (torch.randn(1, 3, 5, 4), torch.randn(1, 3, 7, 4)), ["past", "x"],
+                                           ["k", "rows"], True, weights,
+                                           dynamic_shapes={"past": {2: Dim("p", min=1, max=64)},
+                                                           "x": {2: Dim("s", min=2, max=32)}})
+    weights.save(proto, tmp_path / "g.onnx", used)
+    assert calls == []
+    sess = ort.InferenceSession(str(tmp_path / "g.onnx"), providers=["CPUExecutionProvider"])
+    for p, s in ((5, 7), (9, 2), (1, 30), (64, 32)):
+        past, x = torch.randn(1, 3, p, 4), torch.randn(1, 3, s, 4)
+        got = sess.run(None, {"past": past.numpy(), "x": x.numpy()})
+        want = module(past, x)
+        assert got[0].shape == (1, 3 * (p + s), 4) and np.array_equal(got[0], want[0].numpy())
+        assert np.array_equal(got[1], want[1].numpy())
+
+
+def test_a_full_cache_export_takes_no_full_pass_and_decodes_what_transformers_decodes(tiny_models, tmp_path,
+                                                                                      monkeypatch):
+    """A full cache's graphs take their capacity (and the last chunk its width) as dynamic dimensions: each is
+    translated without torch's pass, and the export decodes what transformers' greedy ``generate`` decodes, its
+    prompt logits within fp32 rounding of transformers', for prompts inside one chunk, of one chunk and a ragged
+    last chunk after full ones."""
+    from torch.onnx._internal.exporter import _fx_passes
+
+    from kvexport.export import export_model
+    from kvexport.runtime import generate, open_onnxruntime
+
+    original, calls = _fx_passes.decompose_with_registry, []
+    monkeypatch.setattr(_fx_passes, "decompose_with_registry", lambda ep, reg: calls.append(1) or original(ep, reg))
+    hf = tiny_models("qwen2")
+    out = export_model(hf, tmp_path / "full", press=None, chunk=16, force=True)
+    assert calls == []
+    gen = open_onnxruntime(out)
+    for n in (3, 16, 41):
+        ids = torch.randint(3, hf.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+        got = generate(gen, ids.numpy(), np.ones((1, n), np.int64), 6)
+        with torch.no_grad():
+            want = hf.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True)
+        assert got.tokens[0].tolist() == want.sequences[0, n:].tolist(), n
+        np.testing.assert_allclose(np.asarray(got.prompt_logits)[0], want.logits[0][0].numpy(), atol=1e-4, rtol=1e-4)
+
+
 def test_a_growing_past_takes_torchs_own_pass(tiny_models, tmp_path, monkeypatch):
-    """The growing-past graph computes its key length from two symbolic sizes (past + seq): left to torch's pass
-    (the rewrite alone translated it as past, and onnxruntime refused the Reshape), its export decodes what
-    transformers' greedy ``generate`` decodes."""
+    """The growing-past graph's sizes go through ``pow`` and ``sym_not`` (shape checks of the attention mask),
+    which the rewrite does not list: left to torch's pass, its export decodes what transformers' greedy
+    ``generate`` decodes."""
     from torch.onnx._internal.exporter import _fx_passes
 
     from kvexport.export import export_model
