@@ -113,7 +113,8 @@ def _rewrite_to_registered(ep, registered: set) -> bool:
     -> True when every op is then translatable (assertions aside, which torch.onnx removes), else False with the
     graph unchanged. Python arithmetic and comparisons on symbolic sizes (:data:`_SIZE_ARITHMETIC`: a dynamic
     capacity's ``C + 288`` columns, a ragged chunk's ``2 * n`` rows) are translated as they are; any other symbolic
-    function (``pow``, ``sym_not``: the growing past's mask checks) leaves the graph to torch's pass."""
+    function (``pow``, ``sym_not``: the growing past's mask checks; translated as they are, onnxruntime refuses one
+    of that graph's Reshapes) leaves the graph to torch's pass."""
     aten = torch.ops.aten
     asserts = {aten._assert_scalar.default, aten._assert_tensor_metadata.default, aten._assert_async.default,
                aten._assert_async.msg, aten.sym_constrain_range_for_size.default}

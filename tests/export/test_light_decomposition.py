@@ -152,8 +152,8 @@ def test_a_full_cache_export_takes_no_full_pass_and_decodes_what_transformers_de
 
 def test_a_growing_past_takes_torchs_own_pass(tiny_models, tmp_path, monkeypatch):
     """The growing-past graph's sizes go through ``pow`` and ``sym_not`` (shape checks of the attention mask),
-    which the rewrite does not list: left to torch's pass, its export decodes what transformers' greedy
-    ``generate`` decodes."""
+    which the rewrite does not list (with them listed, onnxruntime refuses a Reshape of the translated graph): left
+    to torch's pass, its export decodes what transformers' greedy ``generate`` decodes."""
     from torch.onnx._internal.exporter import _fx_passes
 
     from kvexport.export import export_model
