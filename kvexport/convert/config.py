@@ -337,7 +337,9 @@ class ConvertConfig:
             raise BadUsage("--eval-data/--min-agreement/--max-ppl-increase are checked by the validate stage; "
                            "drop --no-validate")
         if self.model is not None and not Path(self.model).exists():
-            what = "GGUF file" if str(self.model).lower().endswith(".gguf") else "model directory"
+            from kvexport.models.gguf import is_gguf
+
+            what = "GGUF file" if is_gguf(self.model) else "model directory"
             raise BadUsage(f"{what} {self.model} does not exist")
 
     def resolve(self) -> "ConvertConfig":
