@@ -34,17 +34,17 @@ class NeedsDecomposition(Rewritable):
         return torch.square(a), b
 
 
-def _run(module, path, monkeypatch):
-    calls = []
+@pytest.fixture
+def full_passes(monkeypatch) -> list:
+    """Each run of torch's full decomposition pass (what the light pass falls back to) appends to this list."""
     from torch.onnx._internal.exporter import _fx_passes
 
-    original = _fx_passes.decompose_with_registry
+    original, calls = _fx_passes.decompose_with_registry, []
+    monkeypatch.setattr(_fx_passes, "decompose_with_registry", lambda ep, reg: calls.append(1) or original(ep, reg))
+    return calls
 
-    def count(ep, registry):
-        calls.append(1)
-        return original(ep, registry)
 
-    monkeypatch.setattr(_fx_passes, "decompose_with_registry", count)  # what the light pass falls back to
+def _run(module, path, full_passes):
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
     y = torch.rand(3, 64, generator=torch.Generator().manual_seed(1))
     weights = onnx_graph.SharedWeights(path.parent)
@@ -54,19 +54,19 @@ def _run(module, path, monkeypatch):
     got = sess.run(None, {"x": x.numpy(), "y": y.numpy()})
     with torch.no_grad():
         want = [t.numpy() for t in module(x, y)]
-    return got, want, len(calls)
+    return got, want, len(full_passes)
 
 
-def test_the_rewrite_computes_what_pytorch_computes(tmp_path, monkeypatch):
-    got, want, fell_back = _run(Rewritable(), tmp_path / "g.onnx", monkeypatch)
+def test_the_rewrite_computes_what_pytorch_computes(tmp_path, full_passes):
+    got, want, fell_back = _run(Rewritable(), tmp_path / "g.onnx", full_passes)
     assert fell_back == 0  # the full pass never ran
     assert got[1].dtype == np.int32 and np.array_equal(got[1], want[1])
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-5)
     assert np.abs(want[0]).max() > 1  # real values, not zeros
 
 
-def test_any_other_untranslated_op_takes_torchs_own_pass(tmp_path, monkeypatch):
-    got, want, fell_back = _run(NeedsDecomposition(), tmp_path / "g.onnx", monkeypatch)
+def test_any_other_untranslated_op_takes_torchs_own_pass(tmp_path, full_passes):
+    got, want, fell_back = _run(NeedsDecomposition(), tmp_path / "g.onnx", full_passes)
     assert fell_back == 1
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-4)
 
@@ -100,12 +100,8 @@ class SizeArithmetic(torch.nn.Module):
         return k.reshape(k.shape[0], k.shape[1] * n, 4) * 2, rows[:, -x.shape[2]:].sum(-1)
 
 
-def test_arithmetic_on_symbolic_sizes_is_translated_without_torchs_pass(tmp_path, monkeypatch):
+def test_arithmetic_on_symbolic_sizes_is_translated_without_torchs_pass(tmp_path, full_passes):
     from torch.export import Dim
-    from torch.onnx._internal.exporter import _fx_passes
-
-    original, calls = _fx_passes.decompose_with_registry, []
-    monkeypatch.setattr(_fx_passes, "decompose_with_registry", lambda ep, reg: calls.append(1) or original(ep, reg))
     module = SizeArithmetic().eval()
     weights = onnx_graph.SharedWeights(tmp_path)
     proto, used = onnx_graph._export_graph(module, (torch.randn(1, 3, 5, 4), torch.randn(1, 3, 7, 4)), ["past", "x"],
@@ -113,7 +109,7 @@ def test_arithmetic_on_symbolic_sizes_is_translated_without_torchs_pass(tmp_path
                                            dynamic_shapes={"past": {2: Dim("p", min=1, max=64)},
                                                            "x": {2: Dim("s", min=2, max=32)}})
     weights.save(proto, tmp_path / "g.onnx", used)
-    assert calls == []
+    assert full_passes == []
     sess = ort.InferenceSession(str(tmp_path / "g.onnx"), providers=["CPUExecutionProvider"])
     for p, s in ((5, 7), (9, 2), (1, 30), (64, 32)):
         past, x = torch.randn(1, 3, p, 4), torch.randn(1, 3, s, 4)
@@ -124,21 +120,17 @@ def test_arithmetic_on_symbolic_sizes_is_translated_without_torchs_pass(tmp_path
 
 
 def test_a_full_cache_export_takes_no_full_pass_and_decodes_what_transformers_decodes(tiny_models, tmp_path,
-                                                                                      monkeypatch):
+                                                                                      full_passes):
     """A full cache's graphs take their capacity (and the last chunk its width) as dynamic dimensions: each is
     translated without torch's pass, and the export decodes what transformers' greedy ``generate`` decodes, its
     prompt logits within fp32 rounding of transformers', for prompts inside one chunk, of one chunk and a ragged
     last chunk after full ones."""
-    from torch.onnx._internal.exporter import _fx_passes
-
     from kvexport.export import export_model
     from kvexport.runtime import generate, open_onnxruntime
 
-    original, calls = _fx_passes.decompose_with_registry, []
-    monkeypatch.setattr(_fx_passes, "decompose_with_registry", lambda ep, reg: calls.append(1) or original(ep, reg))
     hf = tiny_models("qwen2")
     out = export_model(hf, tmp_path / "full", press=None, chunk=16, force=True)
-    assert calls == []
+    assert full_passes == []
     gen = open_onnxruntime(out)
     for n in (3, 16, 41):
         ids = torch.randint(3, hf.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
@@ -150,20 +142,16 @@ def test_a_full_cache_export_takes_no_full_pass_and_decodes_what_transformers_de
         np.testing.assert_allclose(np.asarray(got.prompt_logits)[0], want.logits[0][0].numpy(), atol=1e-4, rtol=1e-4)
 
 
-def test_a_growing_past_takes_torchs_own_pass(tiny_models, tmp_path, monkeypatch):
+def test_a_growing_past_takes_torchs_own_pass(tiny_models, tmp_path, full_passes):
     """The growing-past graph's sizes go through ``pow`` and ``sym_not`` (shape checks of the attention mask),
     which the rewrite does not list (with them listed, onnxruntime refuses a Reshape of the translated graph): left
     to torch's pass, its export decodes what transformers' greedy ``generate`` decodes."""
-    from torch.onnx._internal.exporter import _fx_passes
-
     from kvexport.export import export_model
     from kvexport.runtime import open_onnxruntime
 
-    original, calls = _fx_passes.decompose_with_registry, []
-    monkeypatch.setattr(_fx_passes, "decompose_with_registry", lambda ep, reg: calls.append(1) or original(ep, reg))
     hf = tiny_models("llama")
     out = export_model(hf, tmp_path / "grow", press=None, dynamic_cache=True, force=True)
-    assert calls == [1]
+    assert full_passes == [1]
     ids = torch.randint(3, hf.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
     got = open_onnxruntime(out).generate(ids.numpy(), np.ones((1, 40), np.int64), 6)
     with torch.no_grad():
